@@ -1,0 +1,162 @@
+"""Our DistributedDataParallel, on 2 gloo ranks, against plain single-process autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed import run_ranks
+from mnist_dist.model import ConvNet
+from mnist_dist.parallel import DistributedDataParallel
+
+GLOBAL_BATCH = 16
+
+
+def batch(seed: int = 0, n: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def model():
+    torch.manual_seed(0)
+    return ConvNet(dropout=False)
+
+
+def shard(tensor, rank, world_size):
+    return tensor.chunk(world_size)[rank]
+
+
+def single_step_grads():
+    net = model()
+    x, y = batch()
+    F.cross_entropy(net(x), y).backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+def ddp_step(rank, world_size, message_size, overlap):
+    torch.manual_seed(rank + 100)  # different init per rank: the wrapper must broadcast rank 0's
+    net = ConvNet(dropout=False)
+    if rank == 0:
+        net.load_state_dict(model().state_dict())
+    ddp = DistributedDataParallel(net, message_size=message_size, overlap=overlap)
+    x, y = batch()
+    for _ in range(2):  # step 1 records the order, step 2 runs on the fixed bucket plan
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        ddp.finish_gradient_sync()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}, ddp.bucket_plan
+
+
+@pytest.mark.parametrize(
+    "message_size, overlap, min_buckets",
+    [(200_000, True, 3), (10_000_000, True, 1), (200_000, False, 3)],
+    ids=["3+buckets", "one-bucket", "no-overlap"],
+)
+def test_gradients_equal_single_process_on_global_batch(tmp_path, message_size, overlap, min_buckets):
+    expected = single_step_grads()
+    results = run_ranks(ddp_step, 2, tmp_path, message_size, overlap)
+    for grads, plan in results:
+        assert len(plan) >= min_buckets
+        assert sorted(n for bucket in plan for n in bucket) == sorted(expected)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert results[0][1] == results[1][1]  # same bucket plan on both ranks
+    if min_buckets == 1:
+        assert len(results[0][1]) == 1
+
+
+def no_sync_accumulation(rank, world_size):
+    net = model()
+    ddp = DistributedDataParallel(net, message_size=100_000)
+    x, y = batch()
+    mine_x, mine_y = shard(x, rank, world_size), shard(y, rank, world_size)
+    # Two micro-batches per rank; each loss halved so their sum is the mean over the union.
+    with ddp.no_sync():
+        (F.cross_entropy(ddp(mine_x[:4]), mine_y[:4]) / 2).backward()
+        ddp.finish_gradient_sync()  # a no-op inside no_sync
+    no_sync_grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    (F.cross_entropy(ddp(mine_x[4:]), mine_y[4:]) / 2).backward()
+    ddp.finish_gradient_sync()
+    return no_sync_grads, {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+def test_no_sync_accumulation_equals_one_step_on_the_union(tmp_path):
+    expected = single_step_grads()
+    results = run_ranks(no_sync_accumulation, 2, tmp_path)
+    local = [r[0]["classifier.3.bias"] for r in results]
+    assert not torch.allclose(local[0], local[1])  # inside no_sync the ranks really differ
+    for _, grads in results:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+class TwoHeads(nn.Module):
+    """A model whose second head is used only when asked: for plan and unused-parameter tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.spare = nn.Linear(8, 2)
+
+    def forward(self, x, use_spare=True):
+        h = self.body(x).relu()
+        return self.head(h) + (self.spare(h) if use_spare else 0)
+
+
+def plans_and_refreezing(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TwoHeads(), message_size=20)
+    x = torch.randn(4, 8)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_sync()
+    first = ddp.bucket_plan
+    ddp.module.body.requires_grad_(False)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_sync()
+    return first, ddp.bucket_plan
+
+
+def test_arrival_order_agreed_and_recorded_again_after_freezing(tmp_path):
+    (first0, frozen0), (first1, frozen1) = run_ranks(plans_and_refreezing, 2, tmp_path)
+    assert first0 == first1 and frozen0 == frozen1
+    flat = [n for bucket in first0 for n in bucket]
+    # Backward reaches the heads before the body: the recorded order says so, parameters() does not.
+    assert flat.index("body.weight") > flat.index("head.weight")
+    assert sorted(flat) == sorted(n for n, _ in TwoHeads().named_parameters())
+    assert not any(n.startswith("body.") for bucket in frozen0 for n in bucket)
+    assert len(first0) >= 3  # 20 elements per bucket split its 106
+
+
+def unused_parameter(rank, world_size, find_unused):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TwoHeads(), find_unused_parameters=find_unused)
+    x = torch.randn(4, 8)
+    try:
+        for _ in range(2):
+            ddp.zero_grad()
+            # Rank 1 uses the spare head, rank 0 does not.
+            ddp(x, use_spare=rank == 1).sum().backward()
+            ddp.finish_gradient_sync()
+    except RuntimeError as error:
+        return str(error)
+    return ddp.module.spare.weight.grad.clone()
+
+
+def test_unused_parameter_is_named_unless_allowed(tmp_path):
+    (tmp_path / "strict").mkdir()
+    messages = run_ranks(_both_skip, 2, tmp_path / "strict")
+    for message in messages:
+        assert "spare.weight" in message and "spare.bias" in message
+        assert "find_unused_parameters" in message
+        assert "body.weight" not in message
+    (tmp_path / "allowed").mkdir()
+    grads = run_ranks(unused_parameter, 2, tmp_path / "allowed", True)
+    # Rank 0 contributed zeros, so both hold half of rank 1's gradient.
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def _both_skip(rank, world_size):
+    # Both ranks skip the spare head, so neither waits in a collective the other never joins.
+    return unused_parameter(0, world_size, False)
