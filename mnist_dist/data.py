@@ -1,0 +1,203 @@
+"""MNIST / Fashion-MNIST on disk and on the device.
+
+`prepare` runs once in the launching process, before any worker exists: it fetches, decompresses and
+validates the four IDX files under torchvision's own layout (<root>/<ClassName>/raw), so workers
+only ever call `load_split`, which needs no network and trusts the files.
+"""
+
+import gzip
+import logging
+import os
+import shutil
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+import torch
+from filelock import FileLock
+from torchvision.datasets import MNIST, FashionMNIST
+from torchvision.datasets.mnist import read_image_file, read_label_file
+from torchvision.datasets.utils import check_integrity, download_url
+
+log = logging.getLogger(__name__)
+
+_DATASETS = {"mnist": MNIST, "fashion_mnist": FashionMNIST}
+_SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
+# What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
+# stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
+_SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
+
+
+class DataError(RuntimeError):
+    """Bad or missing data; str(e) is ONE line: what is wrong and what to do."""
+
+
+def dataset_class(name: str) -> type:
+    """The torchvision class for a config name; it fixes the file names, md5s, mirrors and folder."""
+    try:
+        return _DATASETS[name]
+    except KeyError:
+        raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}") from None
+
+
+def official_mirrors(name: str) -> list[str]:
+    """torchvision's mirrors for the dataset: the config defaults, and the only md5-checked sources."""
+    return list(dataset_class(name).mirrors)
+
+
+def raw_dir(name: str, root: str | os.PathLike) -> Path:
+    """Where the decompressed IDX files of ``name`` live under ``root`` (torchvision's layout)."""
+    return Path(root) / dataset_class(name).__name__ / "raw"
+
+
+def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
+    """Make <root>/<Folder>/raw hold the four decompressed, validated IDX files and return that dir.
+
+    Idempotent and cheap once done (headers and label bytes are re-checked, nothing is fetched).
+    The lock makes a second launch sharing `root` wait, then find the files ready.
+    """
+    cls = dataset_class(name)
+    raw = raw_dir(name, root)
+    raw.mkdir(parents=True, exist_ok=True)
+    with FileLock(raw.parent / ".prepare.lock"):
+        counts = {gz: _get_file(name, cls, raw, gz, md5, mirrors) for gz, md5 in cls.resources}
+        for prefix, standard in _SPLITS:
+            n_images = counts[f"{prefix}-images-idx3-ubyte.gz"]
+            n_labels = counts[f"{prefix}-labels-idx1-ubyte.gz"]
+            if n_images != n_labels:
+                raise DataError(
+                    f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but "
+                    f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
+                    f"there, or delete both to fetch them again"
+                )
+            if n_images != standard:
+                log.warning("%s %s split has %d examples, not the standard %d (a subset?)",
+                            name, prefix, n_images, standard)
+    return raw
+
+
+def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` validated them."""
+    prefix = "train" if train else "t10k"
+    raw = Path(raw_dir)
+    return (read_image_file(str(raw / f"{prefix}-images-idx3-ubyte")),
+            read_label_file(str(raw / f"{prefix}-labels-idx1-ubyte")))
+
+
+def to_device_tensors(images: torch.Tensor, labels: torch.Tensor, mean: float, std: float,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`.
+
+    The uint8 tensor is moved first: a quarter of the bytes to copy, and the conversion runs on the
+    device rather than the CPU. The first division is out of place so the caller's tensor is never
+    modified, even if it is already float on `device`.
+    """
+    x = images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std)
+    return x, labels.to(device, torch.int64)
+
+
+def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: Sequence[str]) -> int:
+    """Ensure raw/<gz_name minus .gz> is a valid IDX file and return its item count.
+
+    Order: the decompressed file already there, the .gz already there, then each mirror.
+    """
+    dest = raw / gz_name.removesuffix(".gz")
+    images = "-images-" in gz_name
+    tried = []
+    if dest.exists():
+        try:
+            return _check_idx(dest, images)
+        except DataError as e:
+            log.warning("%s is invalid (%s); deleting it and fetching it again", dest, e)
+            tried.append(f"{dest} ({e})")
+            dest.unlink()
+    official = {m.rstrip("/") for m in cls.mirrors}
+    local_gz = [str(raw)] if (raw / gz_name).is_file() else []
+    for source in [*local_gz, *mirrors]:
+        try:
+            with _fetch(source, gz_name, md5 if source.rstrip("/") in official else None, raw) as src:
+                with _atomic(dest) as tmp:
+                    opener = gzip.open if src.suffix == ".gz" else open
+                    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+                        shutil.copyfileobj(fin, fout)
+                    count = _check_idx(tmp, images)
+            log.info("%s: got %s from %s", name, dest.name, source)
+            return count
+        except _SOURCE_ERRORS as e:
+            reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
+            tried.append(f"{source} ({' '.join(reason.split())})")  # one line, whatever e says
+            if source in local_gz:
+                (raw / gz_name).unlink()  # a bad .gz of ours would only fail again next time
+    debian = (" (Debian: apt-get install dataset-fashion-mnist; "
+              "data.mirrors=[/usr/share/datasets/fashion-mnist])" if cls is FashionMNIST else "")
+    raise DataError(
+        f"could not get {gz_name} for {name}: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
+        f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"
+    )
+
+
+@contextmanager
+def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Path]:
+    """Yield a local path to gz_name (or, from a local dir, its decompressed twin) at `source`.
+
+    md5 is only given for official mirrors: other copies (Debian's) are recompressed, so for them
+    the validated content is what counts.
+    """
+    if source.startswith(("http://", "https://")):
+        tmp = raw / f".download-{gz_name}"
+        tmp.unlink(missing_ok=True)  # download_url skips the download when the file already exists
+        try:
+            download_url(f"{source.rstrip('/')}/{gz_name}", str(raw), tmp.name)
+            if md5 and not check_integrity(tmp, md5):
+                raise DataError(f"md5 mismatch, expected {md5}: corrupt download")
+            yield tmp
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    local = url2pathname(urlparse(source).path) if source.startswith("file://") else source
+    folder = Path(local).expanduser()
+    for candidate in (folder / gz_name, folder / gz_name.removesuffix(".gz")):
+        if candidate.is_file():
+            yield candidate
+            return
+    raise DataError("missing")
+
+
+@contextmanager
+def _atomic(dest: Path) -> Iterator[Path]:
+    """Yield a temp path beside `dest`, moved over `dest` in one step only if the body succeeds, so a
+    crash or a rejected file never leaves anything under the final name."""
+    tmp = dest.with_name(f".{dest.name}.part")
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_idx(path: Path, images: bool) -> int:
+    """Return the item count of an MNIST IDX file, or raise DataError saying what is wrong with it.
+
+    Done once in the parent so that workers can trust the files; torchvision's reader only asserts.
+    """
+    header_len, magic_want, dims_want, item = (16, 0x803, [28, 28], 784) if images else (8, 0x801, [], 1)
+    with open(path, "rb") as f:
+        header = f.read(header_len)
+        labels = b"" if images else f.read()
+    if len(header) < header_len:
+        raise DataError(f"{len(header)} bytes, too short for an IDX header")
+    magic, n, *dims = struct.unpack(f">{header_len // 4}I", header)
+    if magic != magic_want:
+        raise DataError(f"magic {magic:#010x}, expected {magic_want:#010x}")
+    if dims != dims_want:
+        raise DataError(f"images are {dims[0]}x{dims[1]}, expected 28x28")
+    size, size_want = path.stat().st_size, header_len + n * item
+    if size != size_want:
+        raise DataError(f"{size} bytes, expected {size_want} for {n} items (truncated?)")
+    if labels and max(labels) > 9:
+        raise DataError(f"label {max(labels)} out of range 0..9")
+    return n

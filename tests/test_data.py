@@ -1,0 +1,326 @@
+"""Tests for mnist_dist.data: tiny IDX files written here, served from local dirs and loopback HTTP."""
+
+import functools
+import gzip
+import hashlib
+import http.server
+import logging
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from mnist_dist import data
+from mnist_dist.data import DataError
+
+NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+         "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+DEBIAN = Path("/usr/share/datasets/fashion-mnist")
+
+
+def images_idx(n: int, seed: int = 0, magic: int = 0x803) -> bytes:
+    return struct.pack(">IIII", magic, n, 28, 28) + bytes((i * 31 + seed) % 256 for i in range(n * 784))
+
+
+def labels_idx(n: int, magic: int = 0x801, last: int | None = None) -> bytes:
+    labels = bytearray(i % 10 for i in range(n))
+    if last is not None:
+        labels[-1] = last
+    return struct.pack(">II", magic, n) + labels
+
+
+def idx_set(n_train: int = 20, n_test: int = 10) -> dict[str, bytes]:
+    """Decompressed content of a valid four-file set, keyed by file name."""
+    contents = [images_idx(n_train, 1), labels_idx(n_train), images_idx(n_test, 2), labels_idx(n_test)]
+    return dict(zip(NAMES, contents))
+
+
+def write_set(folder: Path, files: dict[str, bytes], gz: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(content))
+        else:
+            (folder / name).write_bytes(content)
+    return folder
+
+
+def assert_raw_holds(raw: Path, files: dict[str, bytes], extra: set[str] = frozenset()) -> None:
+    """Exactly the four files (plus `extra`) with this content: no temp files left behind."""
+    assert {p.name for p in raw.iterdir()} == set(files) | extra
+    for name, content in files.items():
+        assert (raw / name).read_bytes() == content, name
+
+
+def fetched_from(caplog) -> dict[str, str]:
+    """File name -> source, from the info lines prepare logs per fetched file."""
+    out = {}
+    for r in caplog.records:
+        if r.levelno == logging.INFO and r.name == "mnist_dist.data":
+            _, file, source = r.args
+            out[file] = source
+    return out
+
+
+@pytest.fixture
+def serve():
+    """serve(dir, delay) -> base URL of a loopback HTTP server for that dir; all stopped at teardown."""
+    servers = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        delay = 0.0
+
+        def do_GET(self):
+            time.sleep(self.delay)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    def start(folder: Path, delay: float = 0.0) -> str:
+        handler = type("Slow", (Handler,), {"delay": delay})
+        handler = functools.partial(handler, directory=str(folder))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{server.server_address[1]}/"
+
+    yield start
+    for server, thread in servers:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+    caplog.set_level(logging.INFO, logger="mnist_dist.data")
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def test_valid_set_in_raw_needs_no_mirrors(tmp_path):
+    files = idx_set()
+    write_set(tmp_path / "MNIST" / "raw", files, gz=False)
+    raw = data.prepare("mnist", tmp_path, mirrors=[])  # no mirrors: nothing could have been fetched
+    assert raw == tmp_path / "MNIST" / "raw"
+    assert_raw_holds(raw, files)
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("train-images-idx3-ubyte", images_idx(20)[:-100],
+     "15596 bytes, expected 15696 for 20 items (truncated?)"),
+    ("train-images-idx3-ubyte", images_idx(20)[:10], "10 bytes, too short for an IDX header"),
+    ("t10k-labels-idx1-ubyte", labels_idx(10, magic=0x803), "magic 0x00000803, expected 0x00000801"),
+    ("t10k-labels-idx1-ubyte", labels_idx(10, last=10), "label 10 out of range 0..9"),
+    ("t10k-images-idx3-ubyte", images_idx(10)[:8] + struct.pack(">II", 32, 32) + images_idx(10)[16:],
+     "images are 32x32, expected 28x28"),
+])
+def test_invalid_file_in_raw_is_named_and_deleted(tmp_path, name, content, problem):
+    raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), name: content}, gz=False)
+    with pytest.raises(DataError) as e:
+        data.prepare("mnist", tmp_path, mirrors=[])
+    assert f"could not get {name}.gz for mnist: tried {raw / name} ({problem})" in str(e.value)
+    assert not (raw / name).exists()
+
+
+def test_invalid_file_in_raw_is_fetched_again(tmp_path, caplog):
+    files = idx_set()
+    raw = write_set(tmp_path / "MNIST" / "raw", {**files, "train-labels-idx1-ubyte": b"junk"}, gz=False)
+    mirror = write_set(tmp_path / "mirror", files)
+    data.prepare("mnist", tmp_path, [str(mirror)])
+    assert_raw_holds(raw, files)
+    assert fetched_from(caplog) == {"train-labels-idx1-ubyte": str(mirror)}
+    assert any(f"{raw / 'train-labels-idx1-ubyte'} is invalid" in r.getMessage() for r in caplog.records)
+
+
+def test_mismatched_counts(tmp_path):
+    write_set(tmp_path / "MNIST" / "raw", {**idx_set(), "train-labels-idx1-ubyte": labels_idx(19)}, gz=False)
+    with pytest.raises(DataError, match="train-images-idx3-ubyte holds 20 images but train-labels-idx1-ubyte "
+                                        "holds 19 labels"):
+        data.prepare("mnist", tmp_path, mirrors=[])
+
+
+def test_nonstandard_counts_warn_once_per_split(tmp_path, caplog):
+    write_set(tmp_path / "MNIST" / "raw", idx_set(), gz=False)
+    data.prepare("mnist", tmp_path, mirrors=[])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["mnist train split has 20 examples, not the standard 60000 (a subset?)",
+                        "mnist t10k split has 10 examples, not the standard 10000 (a subset?)"]
+
+
+# --- local sources ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_url", [False, True], ids=["dir", "file-url"])
+def test_prepare_from_local_dir(tmp_path, caplog, as_url):
+    files = idx_set()
+    mirror = write_set(tmp_path / "mirror", files)
+    source = mirror.as_uri() if as_url else str(mirror)
+    raw = data.prepare("fashion_mnist", tmp_path / "root", [str(tmp_path / "absent"), source])
+    assert raw == tmp_path / "root" / "FashionMNIST" / "raw"
+    assert_raw_holds(raw, files)
+    assert fetched_from(caplog) == dict.fromkeys(NAMES, source)
+
+    caplog.clear()  # a second run finds everything in place and fetches nothing
+    assert data.prepare("fashion_mnist", tmp_path / "root", [source]) == raw
+    assert fetched_from(caplog) == {}
+    assert_raw_holds(raw, files)
+
+
+def test_prepare_from_local_dir_of_decompressed_files(tmp_path):
+    files = idx_set()
+    mirror = write_set(tmp_path / "mirror", files, gz=False)
+    assert_raw_holds(data.prepare("mnist", tmp_path, [str(mirror)]), files)
+
+
+def test_prepare_from_gz_in_raw(tmp_path, caplog):
+    files = idx_set()
+    raw = write_set(tmp_path / "MNIST" / "raw", files)
+    assert data.prepare("mnist", tmp_path, mirrors=[]) == raw
+    assert_raw_holds(raw, files, extra={f"{n}.gz" for n in NAMES})
+    assert fetched_from(caplog) == dict.fromkeys(NAMES, str(raw))
+
+
+def test_bad_gz_in_raw_is_deleted_and_mirror_used(tmp_path, caplog):
+    files = idx_set()
+    raw = write_set(tmp_path / "MNIST" / "raw", {"t10k-images-idx3-ubyte": images_idx(10)[:-1]})
+    mirror = write_set(tmp_path / "mirror", files)
+    data.prepare("mnist", tmp_path, [str(mirror)])
+    assert_raw_holds(raw, files)
+    assert fetched_from(caplog) == dict.fromkeys(NAMES, str(mirror))
+
+
+# --- HTTP -------------------------------------------------------------------------------------
+
+
+def test_prepare_over_http(tmp_path, serve, caplog):
+    files = idx_set()
+    url = serve(write_set(tmp_path / "site", files)).rstrip("/")  # no trailing slash: joined anyway
+    raw = data.prepare("mnist", tmp_path / "root", [url])
+    assert_raw_holds(raw, files)
+    assert fetched_from(caplog) == dict.fromkeys(NAMES, url)
+
+
+CORRUPTIONS = {
+    "truncated-gz": lambda: gzip.compress(images_idx(20, 1))[:-200],
+    "truncated-idx": lambda: gzip.compress(images_idx(20, 1)[:-1]),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_corrupt_mirror_is_skipped(tmp_path, serve, caplog, corrupt):
+    files = idx_set()
+    bad_site = write_set(tmp_path / "bad", files)
+    (bad_site / "train-images-idx3-ubyte.gz").write_bytes(corrupt())
+    bad, good = serve(bad_site), serve(write_set(tmp_path / "good", files))
+    raw = data.prepare("mnist", tmp_path / "root", [bad, good])
+    assert_raw_holds(raw, files)
+    assert fetched_from(caplog) == {**dict.fromkeys(NAMES, bad), "train-images-idx3-ubyte": good}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_only_mirror_corrupt(tmp_path, serve, corrupt):
+    site = write_set(tmp_path / "bad", idx_set())
+    (site / "train-images-idx3-ubyte.gz").write_bytes(corrupt())
+    url = serve(site)
+    with pytest.raises(DataError, match=f"could not get train-images-idx3-ubyte.gz for mnist: tried {url} "):
+        data.prepare("mnist", tmp_path / "root", [url])
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    assert list(raw.iterdir()) == []  # neither the bad file nor a temp file is left
+
+
+def test_official_mirror_md5_is_enforced(tmp_path, serve, caplog, monkeypatch):
+    files = idx_set()
+    official = serve(write_set(tmp_path / "official", files))
+    other = serve(tmp_path / "official")  # same bytes, not official: content validation suffices
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "mirrors", [official])
+
+    with pytest.raises(DataError, match=f"tried {official} \\(md5 mismatch, expected 8d4fb7e6"):
+        data.prepare("fashion_mnist", tmp_path / "a", [official])
+    assert_raw_holds(data.prepare("fashion_mnist", tmp_path / "b", [official, other]), files)
+    assert fetched_from(caplog) == dict.fromkeys(NAMES, other)
+
+    # and the same official mirror is accepted once the md5s match
+    md5s = [(f"{n}.gz", hashlib.md5((tmp_path / "official" / f"{n}.gz").read_bytes()).hexdigest())
+            for n in NAMES]
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "resources", md5s)
+    assert_raw_holds(data.prepare("fashion_mnist", tmp_path / "c", [official]), files)
+
+
+def test_offline_error_is_one_helpful_line(tmp_path):
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, missing = f"http://127.0.0.1:{port}/", str(tmp_path / "nowhere")
+    with pytest.raises(DataError) as e:
+        data.prepare("fashion_mnist", tmp_path, [url, missing])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        f"could not get train-images-idx3-ubyte.gz for fashion_mnist: tried {url} (URLError: ")
+    assert f", {missing} (missing). Put the four IDX files in {tmp_path / 'FashionMNIST' / 'raw'}" in msg
+    assert "data.mirrors=[/usr/share/datasets/fashion-mnist]" in msg
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA")])])
+def test_load_split_and_to_device(tmp_path, device):
+    files = idx_set()
+    raw = data.prepare("mnist", tmp_path, [str(write_set(tmp_path / "mirror", files))])
+    images, labels = data.load_split(raw, train=False)
+    assert images.shape == (10, 28, 28) and images.dtype == torch.uint8
+    assert labels.tolist() == list(range(10)) and labels.dtype == torch.int64
+    assert images.flatten().tolist() == list(files["t10k-images-idx3-ubyte"][16:])
+    assert data.load_split(raw, train=True)[0].shape == (20, 28, 28)
+
+    x, y = data.to_device_tensors(images, labels, mean=0.5, std=0.25, device=device)
+    assert x.shape == (10, 1, 28, 28) and x.dtype == torch.float32 and x.device.type == device
+    assert y.dtype == torch.int64 and y.device.type == device and y.tolist() == labels.tolist()
+    expected = (images.unsqueeze(1).double() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(x.cpu().double(), expected, rtol=0, atol=1e-6)
+    assert images.dtype == torch.uint8  # the caller's tensor is untouched
+
+
+@pytest.mark.skipif(not DEBIAN.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist_from_debian(tmp_path, caplog):
+    raw = data.prepare("fashion_mnist", tmp_path, [str(DEBIAN)])  # md5s differ from upstream: content counts
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    for train, n in ((True, 60_000), (False, 10_000)):
+        images, labels = data.load_split(raw, train)
+        assert images.shape == (n, 28, 28)
+        assert labels.unique().tolist() == list(range(10))
+
+
+def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
+    files = idx_set()
+    mirror = serve(write_set(tmp_path / "mirror", files), delay=0.05)  # slow, so unlocked runs would overlap
+    with ThreadPoolExecutor(2) as pool:
+        raws = list(pool.map(lambda _: data.prepare("mnist", tmp_path / "root", [mirror]), range(2)))
+    assert raws == [tmp_path / "root" / "MNIST" / "raw"] * 2
+    assert_raw_holds(raws[0], files)
+    fetches = [r for r in caplog.records if r.levelno == logging.INFO and r.name == "mnist_dist.data"]
+    assert len(fetches) == 4  # the lock made the second prepare find the files ready
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+def test_dataset_names_and_official_mirrors():
+    assert data.dataset_class("mnist") is torchvision.datasets.MNIST
+    assert data.dataset_class("fashion_mnist") is torchvision.datasets.FashionMNIST
+    assert data.official_mirrors("mnist") == torchvision.datasets.MNIST.mirrors
+    assert data.official_mirrors("fashion_mnist") == torchvision.datasets.FashionMNIST.mirrors
+    with pytest.raises(DataError, match="unknown dataset 'cifar'; valid names: mnist, fashion_mnist"):
+        data.dataset_class("cifar")
