@@ -1,0 +1,86 @@
+"""Command line entry point.
+
+    python -m mnist_dist                                   # single mode, MNIST, 14 epochs
+    python -m mnist_dist mode=ddp gpus=4                   # our DDP, one process per GPU
+    python -m mnist_dist mode=torch_ddp gpus=2 device=cpu  # torch DDP on 2 CPU processes (gloo)
+    python -m mnist_dist -m mode=single,ddp,torch_ddp gpus=2 epochs=1   # one run per mode
+    torchrun --nproc_per_node=2 -m mnist_dist mode=ddp     # torchrun starts the workers instead
+
+Any key of mnist_dist/config.py can be overridden; a misspelt one is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mnist_dist.config import Config, ConfigError, validate
+from mnist_dist.data import DataError
+from mnist_dist.launch import WorkerFailed, launch
+
+
+@hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    config: Config = OmegaConf.to_object(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        validate(config)
+        launch(config, run_dir)
+    except (ConfigError, DataError, WorkerFailed) as error:
+        _remove_if_unused(run_dir)
+        sys.exit(f"error: {error}")  # one line: what was wrong and what to do
+    except KeyboardInterrupt:
+        sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
+
+
+def _remove_if_unused(run_dir: Path) -> None:
+    # A run that failed before training leaves only Hydra's .hydra/ behind: no half-written run.
+    if run_dir != Path.cwd() and {p.name for p in run_dir.iterdir()} == {".hydra"}:
+        shutil.rmtree(run_dir)
+
+
+def _one_line(error: Exception) -> str:
+    """Hydra's composition errors span several lines; say the same in one, with the valid choices."""
+    text = str(error).split("Config search path")[0]
+    # Hydra's hint "To append to your config use +key=..." does not apply: the schema is closed.
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "To append" not in line]
+    message = lines[0].rstrip(".")
+    if len(lines) > 1:  # "Available options in 'mode':" then one option per line
+        message += f"; {lines[1]} {', '.join(lines[2:])}"
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        message += f": {str(cause).splitlines()[0]}"
+        schema = getattr(cause, "object_type", None)
+        if dataclasses.is_dataclass(schema) and "not in" in str(cause):
+            message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(schema))}"
+    return message
+
+
+def _torchrun_rank_overrides() -> list[str]:
+    # Under torchrun every rank runs this file. Only rank 0 may have Hydra create a run directory
+    # (a second one, named a second later, would split the run: lightning-hydra-template#393);
+    # the others learn rank 0's directory through the process group.
+    if "LOCAL_RANK" in os.environ and os.environ.get("RANK", "0") != "0":
+        return ["hydra.output_subdir=null", "hydra.run.dir=."]
+    return []
+
+
+if __name__ == "__main__":
+    sys.argv += _torchrun_rank_overrides()
+    # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except HydraException as error:
+        sys.exit(f"error: {_one_line(error)}")

@@ -1,0 +1,121 @@
+"""The parent: choose the device, prepare the data once, then run the workers and watch them.
+
+Three ways in, one worker (``mnist_dist.train.train``):
+
+- single mode: the worker runs in this process;
+- ddp modes: one spawned process per device, rendezvous on 127.0.0.1 at a free port;
+- under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set): this process *is* a worker; local rank 0 prepares
+  the data while the others wait at a barrier. This is how the app runs across nodes.
+
+A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
+collective, pytorch/pytorch#17113), and the parent exits non-zero naming the rank and its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, world_size
+from mnist_dist.data import prepare, raw_dir
+from mnist_dist.train import train
+
+log = logging.getLogger("mnist_dist")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised or died; the message names the rank."""
+
+
+def resolve_device(cfg: Config, distributed: bool) -> str:
+    """'cuda' or 'cpu' for ``cfg.device``, or a ConfigError that says what to change."""
+    visible = torch.cuda.device_count()
+    needed = cfg.gpus if distributed else 1
+    if cfg.device == "cpu" or (cfg.device == "auto" and visible == 0):
+        return "cpu"
+    if visible < needed:
+        raise ConfigError(f"device={cfg.device} needs {needed} CUDA device(s) for gpus={cfg.gpus} but "
+                          f"{visible} are visible; use gpus={visible} or device=cpu" if visible else
+                          f"device={cfg.device} but no CUDA device is visible; use device=cpu or device=auto")
+    return "cuda"
+
+
+def launch(cfg: Config, run_dir: Path) -> dict | None:
+    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode)."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _as_torchrun_worker(cfg, run_dir)
+    distributed = cfg.mode.name in DISTRIBUTED_MODES
+    device = resolve_device(cfg, distributed)
+    if device == "cpu" and distributed and cfg.device == "auto":
+        log.info("no CUDA device: running %d CPU workers with gloo", cfg.gpus)
+    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
+    if not distributed:
+        return train(cfg, run_dir, data_dir, device)
+    port = cfg.dist.port or _free_port()
+    context = mp.start_processes(_spawned_worker, args=(cfg, run_dir, data_dir, device, port),
+                                 nprocs=world_size(cfg), join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as error:  # join() has already terminated the other ranks
+        last_line = error.msg.strip().splitlines()[-1]
+        raise WorkerFailed(f"rank {error.error_index} failed: {last_line} "
+                           f"(traceback in {run_dir}/rank_{error.error_index}.log)") from None
+    except mp.ProcessExitedException as error:
+        raise WorkerFailed(f"rank {error.error_index} died: {error}") from None
+    finally:
+        for process in context.processes:  # Ctrl-C or an error above: leave no orphans
+            if process.is_alive():
+                process.kill()
+    return None
+
+
+def _spawned_worker(local_rank: int, cfg: Config, run_dir: Path, data_dir: Path, device: str,
+                    port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _share_cpu(device, cfg.gpus)
+    train(cfg, run_dir, data_dir, device, rank=local_rank, world_size=cfg.gpus, local_rank=local_rank)
+
+
+def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if cfg.mode.name not in DISTRIBUTED_MODES:
+        raise ConfigError(f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; "
+                          "use mode=ddp or mode=torch_ddp")
+    device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    _share_cpu(device, local_size)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            timeout=timedelta(seconds=cfg.dist.timeout_s))
+    # Only rank 0 had Hydra create a run directory (see __main__): everyone writes there.
+    shared = [str(run_dir)]
+    dist.broadcast_object_list(shared, src=0)
+    run_dir = Path(shared[0])
+    if local_rank == 0:
+        prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
+    dist.barrier()  # the other local ranks open the files only once they are complete
+    return train(cfg, run_dir, raw_dir(cfg.data.name, data_root(cfg)), device, rank=rank,
+                 world_size=size, local_rank=local_rank)
+
+
+def _share_cpu(device: str, processes: int) -> None:
+    # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
+def _free_port() -> int:
+    # Bind to port 0 and let the OS choose: a fixed port collides with the previous run still in
+    # TIME_WAIT or another job ("Address already in use", pytorch/pytorch#11324).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

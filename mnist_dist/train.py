@@ -1,0 +1,194 @@
+"""The worker: setup → build → loop → evaluate → tear down, the same code in every mode and on every rank.
+
+It gets a plain config and plain paths (never Hydra globals) and never touches the network: the
+parent prepared the data before this process existed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from mnist_dist import checkpoint
+from mnist_dist.config import DISTRIBUTED_MODES, Config
+from mnist_dist.data import load_split, to_device_tensors
+from mnist_dist.metrics import Scalars, Throughput, all_reduce, synchronize
+from mnist_dist.parallel import gradient_sync, unwrap, wrap_model
+from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
+
+log = logging.getLogger("mnist_dist")
+
+
+def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
+          world_size: int = 1, local_rank: int = 0) -> dict:
+    """Trains and evaluates; rank 0 writes checkpoints and results.json. Returns the results."""
+    # --- setup -------------------------------------------------------------------------------
+    started = time.perf_counter()
+    setup_logging(run_dir, rank)
+    torch_device = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    if cfg.mode.name in DISTRIBUTED_MODES and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.dist.timeout_s))
+    scalars = Scalars(run_dir, rank)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if rank == 0:
+        log.info("config:\n%s", config_yaml)
+        (run_dir / "config.yaml").write_text(config_yaml)
+    try:
+        # --- build ---------------------------------------------------------------------------
+        train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean,
+                                             cfg.data.std, torch_device)
+        test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean,
+                                           cfg.data.std, torch_device)
+        torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
+        model = wrap_model(instantiate(cfg.model), cfg.mode, torch_device)
+        torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
+        optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma)
+        finish_sync = gradient_sync(model)
+        throughput = Throughput(torch_device, cfg.warmup_steps)
+        steps = steps_per_epoch(len(train_x), cfg.batch_size)
+        local_batch = cfg.batch_size // world_size
+        log.info("%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
+                 cfg.mode.name, device, world_size, cfg.batch_size, local_batch, steps)
+
+        # --- loop ----------------------------------------------------------------------------
+        step = 0
+        for epoch in range(1, cfg.epochs + 1):
+            epoch_started = time.perf_counter()
+            model.train()
+            order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
+            window_loss, window_comm = torch.zeros((), device=torch_device), 0.0
+            bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False,
+                       disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
+                       dynamic_ncols=True)
+            for indices in rank_batches(order, cfg.batch_size, rank, world_size):
+                loss, comm_seconds = train_step(model, optimizer, finish_sync,
+                                                train_x[indices], train_y[indices], torch_device)
+                step += 1
+                window_loss += loss.detach()
+                window_comm += comm_seconds
+                throughput.step(len(indices))
+                if step % cfg.log_every == 0:
+                    loss_value = window_loss.item() / cfg.log_every
+                    log_window(scalars, throughput, step, rank, loss_value, window_comm / cfg.log_every,
+                               optimizer.param_groups[0]["lr"], bar)
+                    window_loss.zero_()
+                    window_comm = 0.0
+                bar.update()
+            bar.close()
+            throughput.pause()
+
+            # --- evaluate --------------------------------------------------------------------
+            test_loss, test_accuracy = evaluate(unwrap(model), test_x, test_y, cfg.test_batch_size,
+                                                rank, world_size)
+            scheduler.step()
+            epoch_seconds = time.perf_counter() - epoch_started
+            if rank == 0:
+                scalars.add(step, **{"test/loss": test_loss, "test/accuracy": test_accuracy,
+                                     "perf/epoch_time_s": epoch_seconds})
+                checkpoint.save({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+                                 "config": config_yaml},
+                                run_dir / "checkpoint.pt")
+            log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, test_loss,
+                     100 * test_accuracy, epoch_seconds)
+
+        # --- tear down -----------------------------------------------------------------------
+        images, seconds = all_reduce([throughput.total_images, throughput.total_seconds])
+        results = {
+            "mode": cfg.mode.name, "world_size": world_size, "device": device, "epochs": cfg.epochs,
+            "batch_size": cfg.batch_size, "test_accuracy": test_accuracy, "test_loss": test_loss,
+            # All ranks step together, so the sum of their images over the mean time is the global rate.
+            "train_images_per_s": images / (seconds / world_size) if seconds else 0.0,
+            "wall_time_s": time.perf_counter() - started,
+        }
+        if rank == 0:
+            checkpoint.save(unwrap(model).state_dict(), run_dir / "model.pt")
+            checkpoint.save_json(results, run_dir / "results.json")
+            log.info("results: %s", results)
+        return results
+    except Exception:
+        log.exception("rank %d failed", rank)
+        raise
+    finally:
+        scalars.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_step(model, optimizer, finish_sync, x, y, device) -> tuple[torch.Tensor, float]:
+    """One optimizer step on this rank's share of the global batch; returns (loss, comm wait seconds)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    synchronize(device)  # so that the wait below is communication, not backward still running
+    waited = time.perf_counter()
+    finish_sync()
+    synchronize(device)
+    waited = time.perf_counter() - waited
+    optimizer.step()
+    return loss, waited
+
+
+@torch.no_grad()
+def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[float, float]:
+    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
+    model.eval()
+    share = eval_shard(len(x), rank, world_size)
+    loss_sum, correct = 0.0, 0
+    for start in range(share.start, share.stop, batch_size):
+        stop = min(start + batch_size, share.stop)
+        logits = model(x[start:stop])
+        loss_sum += F.cross_entropy(logits, y[start:stop], reduction="sum").item()
+        correct += (logits.argmax(1) == y[start:stop]).sum().item()
+    loss_sum, correct = all_reduce([loss_sum, correct])
+    return loss_sum / len(x), correct / len(x)
+
+
+def log_window(scalars: Scalars, throughput: Throughput, step: int, rank: int, loss: float,
+               comm_seconds: float, lr: float, bar: tqdm) -> None:
+    """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
+    window = throughput.lap()
+    images, seconds = window or (0, 0.0)
+    tags = {"train/loss": loss, "perf/comm_wait_ms": 1000 * comm_seconds}
+    if window:
+        tags["perf/images_per_s"] = images / seconds
+    (global_loss,) = all_reduce([loss])
+    global_images, slowest = all_reduce([images, seconds], op=dist.ReduceOp.SUM)[0], \
+        all_reduce([seconds], op=dist.ReduceOp.MAX)[0]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0:
+        tags.update({"train/loss_global": global_loss / world_size, "train/lr": lr})
+        if slowest:
+            tags["perf/images_per_s_global"] = global_images / slowest
+        bar.set_postfix(loss=f"{global_loss / world_size:.4f}",
+                        img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
+    scalars.add(step, **tags)
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to ``rank_<r>.log`` in the run directory; rank 0 also to the console."""
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
+    handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
+    if rank == 0:
+        handlers.append(logging.StreamHandler())
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

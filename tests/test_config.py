@@ -1,0 +1,86 @@
+"""Config composition, the schema's errors, and validation of numbers, through Hydra and the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.data import official_mirrors
+
+
+def cli(*overrides: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mnist_dist", *overrides], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_defaults_follow_the_classic_recipe(make_config):
+    cfg = make_config()
+    assert (cfg.mode.name, cfg.optim.name, cfg.optim.lr, cfg.optim.gamma) == ("single", "Adadelta", 1.0, 0.7)
+    assert (cfg.batch_size, cfg.test_batch_size, cfg.epochs, cfg.gpus) == (64, 1000, 14, 1)
+    assert cfg.model == {"_target_": "mnist_dist.model.ConvNet", "dropout": True}
+
+
+@pytest.mark.parametrize("name", ["mnist", "fashion_mnist"])
+def test_default_mirrors_are_torchvisions(name):
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"data={name}"])
+    assert list(cfg.data.mirrors) == official_mirrors(name)
+
+
+def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("MNIST_DIST_DATA", str(tmp_path))
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        assert compose("config").data.root == str(tmp_path)
+
+
+def test_unknown_key_fails_while_composing():
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        with pytest.raises(ConfigCompositionException, match="epoch"):
+            compose("config", overrides=["epoch=3"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
+    ("mode.nme=x", "valid keys: name, message_size, overlap, find_unused_parameters"),
+    ("epochs=abc", "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be "
+                   "converted to Integer"),
+    ("mode=foo", "error: In 'config': Could not find 'mode/foo'; Available options in 'mode': ddp, "
+                 "single, torch_ddp"),
+])
+def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, override, expected):
+    result = cli(override, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and expected in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["mode=ddp", "gpus=2", "batch_size=63"],
+     "batch_size=63 (global) is not divisible by 2 ranks; use a multiple of 2, e.g. batch_size=62"),
+    (["gpus=0"], "gpus=0 must be at least 1"),
+    (["epochs=-1"], "epochs=-1 must be at least 1"),
+    (["optim.lr=0"], "optim.lr=0.0 must be positive"),
+])
+def test_invalid_numbers_are_named(make_config, overrides, expected):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(*overrides))
+    assert str(error.value) == expected
+
+
+def test_cli_invalid_number_is_one_line_and_leaves_no_run_dir(tmp_path):
+    result = cli("mode=ddp", "gpus=3", "batch_size=64", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == ("error: batch_size=64 (global) is not divisible by 3 ranks; use a multiple "
+                             "of 3, e.g. batch_size=63\n")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_cuda_without_cuda_is_one_line(tmp_path):
+    result = cli("device=cuda", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == ("error: device=cuda but no CUDA device is visible; use device=cpu or "
+                             "device=auto\n")

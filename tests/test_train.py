@@ -1,0 +1,97 @@
+"""The trainer end to end on tiny data: what it writes, and that every mode computes the same thing."""
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mnist_dist.data import load_split, to_device_tensors
+from mnist_dist.launch import launch
+from mnist_dist.model import ConvNet
+from mnist_dist.train import evaluate
+
+RANK_TAGS = {"train/loss", "perf/images_per_s", "perf/comm_wait_ms"}
+RANK0_TAGS = RANK_TAGS | {"train/loss_global", "perf/images_per_s_global", "train/lr",
+                          "perf/epoch_time_s", "test/loss", "test/accuracy"}
+
+
+def scalars(run_dir, rank):
+    events = EventAccumulator(str(run_dir / "tb" / f"rank_{rank}"))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def run(make_config, run_dir, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(make_config(*overrides), run_dir)
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_single_run_learns_and_writes_everything(make_config, tmp_path):
+    results = run(make_config, tmp_path, "epochs=3", "log_every=2", "warmup_steps=2")
+    assert results["mode"] == "single" and results["world_size"] == 1 and results["device"] == "cpu"
+    assert (results["epochs"], results["batch_size"]) == (3, 64)
+    assert results["test_accuracy"] >= 0.9 and results["train_images_per_s"] > 0
+    assert results["wall_time_s"] > 0 and results["test_loss"] < 1.0
+    tb = scalars(tmp_path, 0)
+    assert set(tb) == RANK0_TAGS
+    assert len(tb["train/loss"]) == 15  # 3 epochs x 10 steps, every 2nd step
+    assert tb["train/loss"][-1] < 0.5 * tb["train/loss"][0]
+    assert tb["train/loss"] == tb["train/loss_global"]  # one rank: the global mean is its own
+    assert tb["test/accuracy"][-1] == results["test_accuracy"]
+    assert tb["train/lr"][0] == 1.0 and tb["train/lr"][-1] == pytest.approx(0.49)  # StepLR 0.7 twice
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert (checkpoint["epoch"], checkpoint["step"]) == (3, 30)
+    final = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(final[k], checkpoint["model"][k]) for k in final)
+    ConvNet().load_state_dict(final)  # no "module." prefix to strip
+    assert "epoch 3: test loss" in (tmp_path / "rank_0.log").read_text()
+    assert "batch_size: 64" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.fixture(scope="module")
+def twenty_steps(tmp_path_factory, tiny_root):
+    """Final weights of single, ddp and torch_ddp after the same 20 steps, dropout off."""
+    from conftest import compose_config
+
+    out = {}
+    for mode in ("single", "ddp", "torch_ddp"):
+        run_dir = tmp_path_factory.mktemp(mode)
+        cfg = compose_config(tiny_root, f"mode={mode}", "gpus=2", "epochs=1", "batch_size=32",
+                             "model.dropout=false", "mode.message_size=100000")
+        launch(cfg, run_dir)
+        out[mode] = (torch.load(run_dir / "model.pt"), run_dir)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ddp", "torch_ddp"])
+def test_distributed_modes_match_single_after_20_steps(twenty_steps, mode):
+    single, _ = twenty_steps["single"]
+    weights, run_dir = twenty_steps[mode]
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == 20
+    torch.manual_seed(1)  # the config's seed: the weights every mode starts from
+    start = ConvNet(dropout=False).state_dict()
+    assert (weights["classifier.3.weight"] - start["classifier.3.weight"]).abs().max() > 1e-3
+    for name, value in weights.items():
+        torch.testing.assert_close(value, single[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_our_ddp_matches_torch_ddp_after_20_steps(twenty_steps):
+    ours, _ = twenty_steps["ddp"]
+    theirs, _ = twenty_steps["torch_ddp"]
+    for name, value in ours.items():
+        torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_distributed_evaluation_is_exact(twenty_steps, tiny_root):
+    weights, run_dir = twenty_steps["ddp"]
+    results = json.loads((run_dir / "results.json").read_text())
+    model = ConvNet(dropout=False)
+    model.load_state_dict(weights)
+    x, y = to_device_tensors(*load_split(tiny_root / "MNIST" / "raw", train=False), 0.1307, 0.3081, "cpu")
+    loss, accuracy = evaluate(model, x, y, 1000, rank=0, world_size=1)
+    assert results["test_accuracy"] == accuracy  # every test sample counted once, none twice
+    assert results["test_loss"] == pytest.approx(loss, rel=1e-6)
+    assert set(scalars(run_dir, 1)) == RANK_TAGS
+    assert set(scalars(run_dir, 0)) == RANK0_TAGS
