@@ -160,3 +160,19 @@ def test_unused_parameter_is_named_unless_allowed(tmp_path):
 def _both_skip(rank, world_size):
     # Both ranks skip the spare head, so neither waits in a collective the other never joins.
     return unused_parameter(0, world_size, False)
+
+
+def fp16_on_gloo(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TwoHeads().half())
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(2):
+            ddp(torch.randn(4, 8, dtype=torch.half)).sum().backward()
+            ddp.finish_gradient_sync()
+    return [str(w.message) for w in caught], ddp.module.head.weight.grad.dtype
+
+
+def test_fp16_gradients_on_gloo_warn_once(tmp_path):
+    for messages, dtype in run_ranks(fp16_on_gloo, 2, tmp_path):
+        assert dtype == torch.float16
+        assert len(messages) == 1 and messages[0].startswith("fp16 gradients on gloo")

@@ -1,0 +1,81 @@
+"""The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FASHION
+
+TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
+
+
+def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_dist"), timeout=300):
+    started = time.monotonic()
+    result = subprocess.run([*launcher, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
+                            capture_output=True, text=True, timeout=timeout)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["mode"], results["world_size"]) == (mode, ranks)
+    for rank in range(ranks):
+        assert list((run_dir / "tb" / f"rank_{rank}").glob("events.out.tfevents.*"))
+        assert "ddp on cpu" in (run_dir / f"rank_{rank}.log").read_text()
+    assert not (run_dir / "tb" / f"rank_{ranks}").exists()
+    assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()
+    return results
+
+
+def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
+    result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA device: running 2 CPU workers with gloo" in result.stderr
+    assert "[rank 1]" not in result.stderr  # rank 0 alone talks to the console
+    assert_complete_run(tmp_path / "run", "ddp", 2)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun not installed")
+def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    result = cli(tmp_path / "run", "mode=ddp", f"data.root={tiny_root}", *TINY,
+                 launcher=(torchrun, "--nproc_per_node=2", "-m", "mnist_dist"))
+    assert result.returncode == 0, result.stderr
+    assert_complete_run(tmp_path / "run", "ddp", 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
+
+
+def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY,
+                 "model._target_=failing_model.FailingConvNet", f"+model.pid_dir={pids}", timeout=120)
+    assert result.returncode == 1
+    assert result.seconds < 30
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: rank 1 failed: RuntimeError: injected failure at step 3")
+    assert "rank_1.log" in last_line
+    assert "injected failure at step 3" in (tmp_path / "run" / "rank_1.log").read_text()
+    workers = [int(p.name) for p in pids.iterdir()]
+    assert len(workers) == 2
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker left running"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
+@pytest.mark.parametrize("mode, gpus", [("single", 1), ("ddp", 2)])
+def test_one_epoch_of_fashion_mnist_reaches_85_percent(tmp_path, mode, gpus):
+    result = cli(tmp_path / "run", f"mode={mode}", f"gpus={gpus}", "data=fashion_mnist",
+                 f"data.root={tmp_path}/data", f"data.mirrors=[{FASHION}]", "epochs=1", "progress=false",
+                 timeout=900)
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["test_accuracy"] >= 0.85
+    assert results["world_size"] == gpus
