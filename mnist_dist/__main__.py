@@ -11,7 +11,6 @@ Any key of mnist_dist/config.py can be overridden; a misspelt one is an error.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -22,9 +21,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from mnist_dist.config import Config, ConfigError, validate
+from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
 
@@ -50,23 +48,6 @@ def _remove_if_unused(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-def _one_line(error: Exception) -> str:
-    """Hydra's composition errors span several lines; say the same in one, with the valid choices."""
-    text = str(error).split("Config search path")[0]
-    # Hydra's hint "To append to your config use +key=..." does not apply: the schema is closed.
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "To append" not in line]
-    message = lines[0].rstrip(".")
-    if len(lines) > 1:  # "Available options in 'mode':" then one option per line
-        message += f"; {lines[1]} {', '.join(lines[2:])}"
-    cause = error.__cause__
-    if isinstance(cause, OmegaConfBaseException):
-        message += f": {str(cause).splitlines()[0]}"
-        schema = getattr(cause, "object_type", None)
-        if dataclasses.is_dataclass(schema) and "not in" in str(cause):
-            message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(schema))}"
-    return message
-
-
 def _torchrun_rank_overrides() -> list[str]:
     # Under torchrun every rank runs this file. Only rank 0 may have Hydra create a run directory
     # (a second one, named a second later, would split the run: lightning-hydra-template#393);
@@ -83,4 +64,4 @@ if __name__ == "__main__":
     try:
         main()
     except HydraException as error:
-        sys.exit(f"error: {_one_line(error)}")
+        sys.exit(f"error: {describe_hydra_error(error)}")

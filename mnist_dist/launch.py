@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
+import time
 from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, world_size
+from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, devices_needed, world_size
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.train import train
 
@@ -34,10 +38,10 @@ class WorkerFailed(RuntimeError):
     """A worker raised or died; the message names the rank."""
 
 
-def resolve_device(cfg: Config, distributed: bool) -> str:
+def resolve_device(cfg: Config) -> str:
     """'cuda' or 'cpu' for ``cfg.device``, or a ConfigError that says what to change."""
     visible = torch.cuda.device_count()
-    needed = cfg.gpus if distributed else 1
+    needed = devices_needed(cfg)
     if cfg.device == "cpu" or (cfg.device == "auto" and visible == 0):
         return "cpu"
     if visible < needed:
@@ -52,36 +56,80 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _as_torchrun_worker(cfg, run_dir)
     distributed = cfg.mode.name in DISTRIBUTED_MODES
-    device = resolve_device(cfg, distributed)
-    if device == "cpu" and distributed and cfg.device == "auto":
+    device = resolve_device(cfg)
+    if device == "cpu" and cfg.device == "auto" and distributed:
         log.info("no CUDA device: running %d CPU workers with gloo", cfg.gpus)
+    elif device == "cpu" and cfg.device == "auto" and cfg.mode.name in ("dp", "split"):
+        log.info("no CUDA device: mode=%s runs its CPU equivalent in one process (DataParallel "
+                 "passes the whole batch through; split keeps both parts on the CPU)", cfg.mode.name)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     if not distributed:
         return train(cfg, run_dir, data_dir, device)
     port = cfg.dist.port or _free_port()
-    context = mp.start_processes(_spawned_worker, args=(cfg, run_dir, data_dir, device, port),
-                                 nprocs=world_size(cfg), join=False, start_method="spawn")
+    spawn = mp.get_context("spawn")
+    failures = spawn.SimpleQueue()
+    workers = [spawn.Process(target=_spawned_worker, name=f"rank_{rank}",
+                             args=(rank, cfg, run_dir, data_dir, device, port, failures))
+               for rank in range(world_size(cfg))]
+    for worker in workers:
+        worker.start()
     try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as error:  # join() has already terminated the other ranks
-        last_line = error.msg.strip().splitlines()[-1]
-        raise WorkerFailed(f"rank {error.error_index} failed: {last_line} "
-                           f"(traceback in {run_dir}/rank_{error.error_index}.log)") from None
-    except mp.ProcessExitedException as error:
-        raise WorkerFailed(f"rank {error.error_index} died: {error}") from None
+        _supervise(workers, failures, run_dir)
     finally:
-        for process in context.processes:  # Ctrl-C or an error above: leave no orphans
-            if process.is_alive():
-                process.kill()
+        _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
     return None
 
 
-def _spawned_worker(local_rank: int, cfg: Config, run_dir: Path, data_dir: Path, device: str,
-                    port: int) -> None:
+def _spawned_worker(rank: int, cfg: Config, run_dir: Path, data_dir: Path, device: str, port: int,
+                    failures) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _share_cpu(device, cfg.gpus)
-    train(cfg, run_dir, data_dir, device, rank=local_rank, world_size=cfg.gpus, local_rank=local_rank)
+    try:
+        train(cfg, run_dir, data_dir, device, rank=rank, world_size=cfg.gpus, local_rank=rank)
+    except BaseException as error:  # the traceback is in rank_<r>.log already
+        failures.put((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
+        sys.exit(1)
+
+
+def _supervise(workers: list, failures, run_dir: Path) -> None:
+    """Waits for every worker; when one fails, raises WorkerFailed naming the rank that failed first.
+
+    When one rank dies its peers fail too, a moment later, in their next collective ("connection
+    closed by peer"). So the culprit is the earliest failure: ranks report Python exceptions with a
+    time stamp; a rank that dies without one (a signal, the OOM killer) is stamped when we notice.
+    """
+    running = list(workers)
+    while running:
+        wait([worker.sentinel for worker in running])
+        noticed = time.monotonic()
+        running = [worker for worker in running if worker.exitcode is None]
+        dead = [(noticed, rank, _exit_reason(worker.exitcode))
+                for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
+        if dead:
+            reported = []
+            while not failures.empty():
+                reported.append(failures.get())
+            raised = {rank for _, rank, _ in reported}
+            _, rank, reason = min(reported + [d for d in dead if d[1] not in raised])
+            raise WorkerFailed(f"rank {rank} failed: {reason} (log: {run_dir}/rank_{rank}.log)")
+
+
+def _exit_reason(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def _stop(workers: list, grace_s: float = 5.0) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()  # SIGTERM first: a rank blocked in a collective dies at once
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:

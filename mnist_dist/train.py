@@ -23,7 +23,7 @@ from mnist_dist import checkpoint
 from mnist_dist.config import DISTRIBUTED_MODES, Config
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, Throughput, all_reduce, synchronize
-from mnist_dist.parallel import gradient_sync, unwrap, wrap_model
+from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
 log = logging.getLogger("mnist_dist")
@@ -53,7 +53,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean,
                                            cfg.data.std, torch_device)
         torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
-        model = wrap_model(instantiate(cfg.model), cfg.mode, torch_device)
+        model = wrap_model(instantiate(cfg.model), cfg.mode, torch_device, cfg.gpus)
         torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
         optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma)
@@ -99,7 +99,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             if rank == 0:
                 scalars.add(step, **{"test/loss": test_loss, "test/accuracy": test_accuracy,
                                      "perf/epoch_time_s": epoch_seconds})
-                checkpoint.save({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                checkpoint.save({"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
                                  "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
                                  "config": config_yaml},
                                 run_dir / "checkpoint.pt")
@@ -116,7 +116,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             "wall_time_s": time.perf_counter() - started,
         }
         if rank == 0:
-            checkpoint.save(unwrap(model).state_dict(), run_dir / "model.pt")
+            checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
             checkpoint.save_json(results, run_dir / "results.json")
             log.info("results: %s", results)
         return results
@@ -132,7 +132,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
 def train_step(model, optimizer, finish_sync, x, y, device) -> tuple[torch.Tensor, float]:
     """One optimizer step on this rank's share of the global batch; returns (loss, comm wait seconds)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
+    logits = model(x)
+    loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
     loss.backward()
     synchronize(device)  # so that the wait below is communication, not backward still running
     waited = time.perf_counter()
@@ -152,8 +153,9 @@ def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[
     for start in range(share.start, share.stop, batch_size):
         stop = min(start + batch_size, share.stop)
         logits = model(x[start:stop])
-        loss_sum += F.cross_entropy(logits, y[start:stop], reduction="sum").item()
-        correct += (logits.argmax(1) == y[start:stop]).sum().item()
+        labels = y[start:stop].to(logits.device)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
     loss_sum, correct = all_reduce([loss_sum, correct])
     return loss_sum / len(x), correct / len(x)
 

@@ -6,13 +6,13 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from mnist_dist.synthetic import write_idx
+
 # Spawned ranks unpickle test functions by module name, and workers import test models by
 # _target_: keep tests/ importable as a plain folder, in this process and in subprocesses.
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-
-import tiny_mnist  # noqa: E402
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
@@ -21,7 +21,7 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 def tiny_root(tmp_path_factory) -> Path:
     """A data.root holding tiny learnable data as data=mnist (640 train, 200 test images)."""
     root = tmp_path_factory.mktemp("data")
-    tiny_mnist.write(root / "MNIST" / "raw")
+    write_idx(root / "MNIST" / "raw")
     return root
 
 

@@ -44,11 +44,11 @@ def test_unknown_key_fails_while_composing():
 
 @pytest.mark.parametrize("override, expected", [
     ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
-    ("mode.nme=x", "valid keys: name, message_size, overlap, find_unused_parameters"),
+    ("mode.nme=x", "Key 'nme' not in 'ModeConfig'; valid keys: name, dp_block, dp_functional,"),
     ("epochs=abc", "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be "
                    "converted to Integer"),
     ("mode=foo", "error: In 'config': Could not find 'mode/foo'; Available options in 'mode': ddp, "
-                 "single, torch_ddp"),
+                 "dp, dp_block, dp_functional, single, split, torch_ddp"),
 ])
 def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, override, expected):
     result = cli(override, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)

@@ -13,13 +13,26 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.config import ModeConfig
 from mnist_dist.parallel.ddp import DistributedDataParallel
+from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 
-__all__ = ["DistributedDataParallel", "wrap_model", "unwrap", "gradient_sync"]
+__all__ = ["DistributedDataParallel", "wrap_model", "unwrap", "plain_state_dict", "gradient_sync"]
+
+_WRAPPERS = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
 
 
-def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device) -> nn.Module:
-    """Moves ``model`` to ``device`` and wraps it for ``mode``; the process group must exist for ddp modes."""
+def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device, gpus: int = 1) -> nn.Module:
+    """Places ``model`` and wraps it for ``mode``; the process group must exist for ddp modes.
+
+    ``device`` is this process's device (cuda:<local rank> or cpu); dp and split use ``gpus`` devices.
+    """
+    if mode.name == "split":
+        first, second = ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else \
+            ("cpu", device)  # one GPU: the tutorial's CPU + GPU example; no GPU: both on the CPU
+        return split(model, mode.split_at, torch.device(first), torch.device(second))
     model = model.to(device)
+    if mode.name == "dp":
+        device_ids = list(range(gpus)) if device.type == "cuda" else []  # [] : a pass-through on CPU
+        return data_parallel(model, device_ids, mode.dp_block, mode.dp_functional)
     if mode.name == "ddp":
         return DistributedDataParallel(
             model,
@@ -37,8 +50,22 @@ def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device) -> nn.M
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside any wrapper, so checkpoints carry no ``module.`` prefix."""
-    return model.module if isinstance(model, (DistributedDataParallel, TorchDDP)) else model
+    """The model inside an outer wrapper, for evaluation without wrapper machinery."""
+    return model.module if isinstance(model, _WRAPPERS) else model
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict the plain model would have: no ``module.`` from a wrapper, outer or inner
+    (dp_block wraps a submodule), so checkpoints load into the bare model class."""
+    model = unwrap(model)
+    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, _WRAPPERS)]
+    state = {}
+    for key, value in model.state_dict().items():
+        for prefix in inner:
+            if key.startswith(prefix + "module."):
+                key = prefix + key[len(prefix + "module."):]
+        state[key] = value
+    return state
 
 
 def gradient_sync(model: nn.Module) -> Callable[[], None]:

@@ -71,8 +71,9 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model, already on this rank's device.
-        message_size: most elements per bucket (10,000,000 = 40 MB of fp32, apex's default). Small
-            buckets start communicating early in backward; large ones send fewer messages.
+        message_size: most elements per bucket (1,000,000 = 4 MB of fp32; a parameter larger than
+            that gets a bucket of its own). Small buckets start communicating early in backward;
+            large ones send fewer messages.
         overlap: all-reduce while backward runs. False waits for the end of backward (apex's
             ``delay_allreduce``), for comparison.
         find_unused_parameters: a parameter that requires grad but gets none counts as a zero
@@ -82,7 +83,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        message_size: int = 10_000_000,
+        message_size: int = 1_000_000,
         overlap: bool = True,
         find_unused_parameters: bool = False,
     ) -> None:

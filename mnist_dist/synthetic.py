@@ -1,4 +1,7 @@
-"""Small, learnable MNIST-format data for training tests: class k is a bright square at spot k."""
+"""Small, learnable MNIST-format data: class k is a bright square at spot k on a noisy background.
+
+For tests, the GPU check script and dry runs: anything that must train without downloading.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 import torch
 
 
-def write(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
+def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
     """Writes the four decompressed IDX files of a tiny data set into ``raw``; returns ``raw``."""
     raw.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
