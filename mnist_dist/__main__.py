@@ -31,19 +31,22 @@ from mnist_dist.launch import WorkerFailed, launch
 def main(cfg: DictConfig) -> None:
     config: Config = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
+    logging.getLogger("mnist_dist").setLevel(logging.INFO)
     try:
         validate(config)
         launch(config, run_dir)
     except (ConfigError, DataError, WorkerFailed) as error:
-        _remove_if_unused(run_dir)
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except KeyboardInterrupt:
         sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
+    finally:
+        _remove_if_unused(run_dir)
 
 
 def _remove_if_unused(run_dir: Path) -> None:
-    # A run that failed before training leaves only Hydra's .hydra/ behind: no half-written run.
+    # A run that failed before training, or resumed in its old directory, leaves only Hydra's
+    # .hydra/ here: remove it rather than leave a half-written run behind.
     if run_dir != Path.cwd() and {p.name for p in run_dir.iterdir()} == {".hydra"}:
         shutil.rmtree(run_dir)
 

@@ -75,6 +75,11 @@ class Config:
     log_every: int = 10  # steps between loss/throughput scalars
     warmup_steps: int = 5  # steps left out of throughput numbers (allocator, caches, first buckets)
     progress: bool = True  # tqdm bar on rank 0
+    # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
+    # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
+    deterministic: bool = True
+    resume: str = ""  # a checkpoint.pt, or a run directory holding one: continue that run, there
+    resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
 
 class ConfigError(ValueError):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mnist_dist import checkpoint
 from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, devices_needed, world_size
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.train import train
@@ -53,6 +54,10 @@ def resolve_device(cfg: Config) -> str:
 
 def launch(cfg: Config, run_dir: Path) -> dict | None:
     """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode)."""
+    if cfg.resume:  # checked here, in one process, before anything is overwritten
+        path = checkpoint.locate(cfg.resume)
+        checkpoint.check_resumable(checkpoint.load(path), cfg)
+        cfg.resume, run_dir = str(path), path.parent  # the run goes on in its own directory
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _as_torchrun_worker(cfg, run_dir)
     distributed = cfg.mode.name in DISTRIBUTED_MODES

@@ -5,7 +5,8 @@ Tag names are stable, so runs of every mode overlay in TensorBoard:
 - every rank, in ``tb/rank_<r>``: ``train/loss``, ``perf/images_per_s``, ``perf/comm_wait_ms``
   (ddp: time blocked in ``finish_gradient_sync``, i.e. communication not hidden behind backward)
 - rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
-  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``
+  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``, ``results/images_per_s`` (the run's
+  average, at the end) and the run's hyperparameters for the HPARAMS tab
 
 The x axis is the optimizer step, which means the same global batch in every mode.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
 
 
 def synchronize(device: torch.device) -> None:
@@ -87,13 +89,22 @@ class Throughput:
 class Scalars:
     """This rank's TensorBoard directory, ``<run_dir>/tb/rank_<r>``."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.writer = SummaryWriter(str(run_dir / "tb" / f"rank_{rank}"))
+    def __init__(self, run_dir: Path, rank: int, purge_step: int | None = None) -> None:
+        self.writer = SummaryWriter(str(run_dir / "tb" / f"rank_{rank}"), purge_step=purge_step)
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss": 0.3})``: one scalar per tag at optimizer step ``step``."""
         for tag, value in tags.items():
             self.writer.add_scalar(tag, value, step)
+
+    def hparams(self, params: dict, metric_tags: list[str]) -> None:
+        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag.
+
+        Written into this directory (SummaryWriter.add_hparams would open a new one), so the metrics
+        are the scalars already logged here.
+        """
+        for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
+            self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
         self.writer.close()

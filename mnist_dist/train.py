@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,13 +36,10 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
     # --- setup -------------------------------------------------------------------------------
     started = time.perf_counter()
     setup_logging(run_dir, rank)
-    torch_device = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
-    if torch_device.type == "cuda":
-        torch.cuda.set_device(torch_device)
-    if cfg.mode.name in DISTRIBUTED_MODES and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.dist.timeout_s))
-    scalars = Scalars(run_dir, rank)
+    torch_device = setup_process(cfg, device, rank, world_size, local_rank)
+    resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
+    # On resume, drop any scalars the interrupted run wrote after its checkpoint: no duplicate steps.
+    scalars = Scalars(run_dir, rank, purge_step=resumed["step"] + 1 if resumed else None)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if rank == 0:
         log.info("config:\n%s", config_yaml)
@@ -53,10 +51,21 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean,
                                            cfg.data.std, torch_device)
         torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
-        model = wrap_model(instantiate(cfg.model), cfg.mode, torch_device, cfg.gpus)
+        model = instantiate(cfg.model)
+        if resumed:
+            model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
+        model = wrap_model(model, cfg.mode, torch_device, cfg.gpus)
+        random.seed(cfg.seed + rank)
         torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
         optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma)
+        first_epoch, step = 1, 0
+        if resumed:
+            optimizer.load_state_dict(resumed["optimizer"])
+            scheduler.load_state_dict(resumed["scheduler"])
+            first_epoch, step = resumed["epoch"] + 1, resumed["step"]
+            checkpoint.restore_rng(resumed["rng"], rank)
+            log.info("resuming %s at epoch %d, step %d", cfg.resume, first_epoch, step)
         finish_sync = gradient_sync(model)
         throughput = Throughput(torch_device, cfg.warmup_steps)
         steps = steps_per_epoch(len(train_x), cfg.batch_size)
@@ -65,8 +74,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                  cfg.mode.name, device, world_size, cfg.batch_size, local_batch, steps)
 
         # --- loop ----------------------------------------------------------------------------
-        step = 0
-        for epoch in range(1, cfg.epochs + 1):
+        for epoch in range(first_epoch, cfg.epochs + 1):
             epoch_started = time.perf_counter()
             model.train()
             order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
@@ -96,12 +104,13 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                                                 rank, world_size)
             scheduler.step()
             epoch_seconds = time.perf_counter() - epoch_started
+            rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
             if rank == 0:
                 scalars.add(step, **{"test/loss": test_loss, "test/accuracy": test_accuracy,
                                      "perf/epoch_time_s": epoch_seconds})
                 checkpoint.save({"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
                                  "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-                                 "config": config_yaml},
+                                 "rng": rng, "world_size": world_size, "config": config_yaml},
                                 run_dir / "checkpoint.pt")
             log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, test_loss,
                      100 * test_accuracy, epoch_seconds)
@@ -118,6 +127,10 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         if rank == 0:
             checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
             checkpoint.save_json(results, run_dir / "results.json")
+            scalars.add(step, **{"results/images_per_s": results["train_images_per_s"]})
+            scalars.hparams({"mode": cfg.mode.name, "world_size": world_size, "batch_size": cfg.batch_size,
+                             "lr": cfg.optim.lr, "seed": cfg.seed},
+                            ["test/accuracy", "test/loss", "results/images_per_s"])
             log.info("results: %s", results)
         return results
     except Exception:
@@ -168,9 +181,8 @@ def log_window(scalars: Scalars, throughput: Throughput, step: int, rank: int, l
     tags = {"train/loss": loss, "perf/comm_wait_ms": 1000 * comm_seconds}
     if window:
         tags["perf/images_per_s"] = images / seconds
-    (global_loss,) = all_reduce([loss])
-    global_images, slowest = all_reduce([images, seconds], op=dist.ReduceOp.SUM)[0], \
-        all_reduce([seconds], op=dist.ReduceOp.MAX)[0]
+    global_loss, global_images = all_reduce([loss, images])
+    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)  # the global rate is set by the slowest rank
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         tags.update({"train/loss_global": global_loss / world_size, "train/lr": lr})
@@ -193,4 +205,21 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def setup_process(cfg: Config, device: str, rank: int, world_size: int, local_rank: int) -> torch.device:
+    """This process's device, its process group (ddp modes), and deterministic kernels if asked."""
+    if cfg.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op with no deterministic kernel warns (naming itself) instead of stopping the run.
+    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
+    torch.backends.cudnn.deterministic = cfg.deterministic
+    torch.backends.cudnn.benchmark = not cfg.deterministic
+    torch_device = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    if cfg.mode.name in DISTRIBUTED_MODES and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.dist.timeout_s))
+    return torch_device

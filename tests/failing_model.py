@@ -1,6 +1,8 @@
-"""A convnet that raises on one rank at one training step: for the failure-handling tests."""
+"""A convnet that misbehaves on one rank at one training step: for the failure-handling tests."""
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -9,15 +11,28 @@ from mnist_dist.model import ConvNet
 
 
 class FailingConvNet(ConvNet):
-    def __init__(self, fail_rank: int = 1, fail_step: int = 3, pid_dir: str = "", **kwargs) -> None:
+    """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
+    by SIGKILL, or with ``nan`` return NaN. ``step_seconds`` slows every step down; ``pid_dir``
+    records the process id, so that a test can check no worker outlives the launcher."""
+
+    def __init__(self, fail_rank: int = 1, fail_step: int = 3, kill: bool = False, nan: bool = False,
+                 step_seconds: float = 0.0, pid_dir: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
-        self.fail_rank, self.fail_step, self.calls = fail_rank, fail_step, 0
-        if pid_dir:  # lets the test check that no worker outlives the launcher
+        self.fail_rank, self.fail_step, self.kill, self.nan = fail_rank, fail_step, kill, nan
+        self.step_seconds, self.calls = step_seconds, 0
+        if pid_dir:
             Path(pid_dir, str(os.getpid())).touch()
 
     def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if dist.get_rank() == self.fail_rank and self.calls == self.fail_step:
-                raise RuntimeError(f"injected failure at step {self.calls}")
+        if not self.training:
+            return super().forward(x)
+        self.calls += 1
+        time.sleep(self.step_seconds)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == self.fail_rank and self.calls == self.fail_step:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.nan:
+                return super().forward(x) * float("nan")
+            raise RuntimeError(f"injected failure at step {self.calls}")
         return super().forward(x)

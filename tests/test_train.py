@@ -13,13 +13,18 @@ from mnist_dist.train import evaluate
 
 RANK_TAGS = {"train/loss", "perf/images_per_s", "perf/comm_wait_ms"}
 RANK0_TAGS = RANK_TAGS | {"train/loss_global", "perf/images_per_s_global", "train/lr",
-                          "perf/epoch_time_s", "test/loss", "test/accuracy"}
+                          "perf/epoch_time_s", "test/loss", "test/accuracy", "results/images_per_s"}
+
+
+def events(run_dir, rank):
+    accumulator = EventAccumulator(str(run_dir / "tb" / f"rank_{rank}"))
+    accumulator.Reload()
+    return accumulator
 
 
 def scalars(run_dir, rank):
-    events = EventAccumulator(str(run_dir / "tb" / f"rank_{rank}"))
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    tb = events(run_dir, rank)
+    return {tag: [e.value for e in tb.Scalars(tag)] for tag in tb.Tags()["scalars"]}
 
 
 def run(make_config, run_dir, *overrides):
@@ -41,6 +46,9 @@ def test_single_run_learns_and_writes_everything(make_config, tmp_path):
     assert tb["train/loss"] == tb["train/loss_global"]  # one rank: the global mean is its own
     assert tb["test/accuracy"][-1] == results["test_accuracy"]
     assert tb["train/lr"][0] == 1.0 and tb["train/lr"][-1] == pytest.approx(0.49)  # StepLR 0.7 twice
+    assert tb["results/images_per_s"] == [pytest.approx(results["train_images_per_s"])]
+    assert set(events(tmp_path, 0).PluginTagToContent("hparams")) == {
+        "_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert (checkpoint["epoch"], checkpoint["step"]) == (3, 30)
     final = torch.load(tmp_path / "model.pt")

@@ -1,0 +1,140 @@
+"""Reproducibility as a tested property: repeatable runs, exact resume, and the compare command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mnist_dist import checkpoint
+from mnist_dist.compare import compare
+from mnist_dist.launch import launch
+from test_train import scalars
+
+SHORT = ("epochs=3", "batch_size=64", "log_every=1")
+
+
+def run(make_config, run_dir, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(make_config(*SHORT, *overrides), run_dir)
+    return torch.load(run_dir / "model.pt"), scalars(run_dir, 0)
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
+    # Dropout stays on: each rank's masks come from (seed, rank), so they repeat too.
+    first_weights, first = run(make_config, tmp_path / "a", f"mode={mode}", "gpus=2")
+    second_weights, second = run(make_config, tmp_path / "b", f"mode={mode}", "gpus=2")
+    assert first["train/loss"] == second["train/loss"] and len(first["train/loss"]) == 30
+    assert first["test/accuracy"] == second["test/accuracy"]
+    assert_same_weights(first_weights, second_weights)
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
+    whole_weights, whole = run(make_config, tmp_path / "whole", f"mode={mode}", "gpus=2")
+    part = tmp_path / "part"
+    run(make_config, part, f"mode={mode}", "gpus=2", "epochs=2")
+    after_two = (part / "checkpoint.pt").read_bytes()
+    # Finish the run, then pretend it crashed during epoch 3 after logging: the checkpoint is the
+    # epoch-2 one again while TensorBoard already holds epoch 3. Resuming must not duplicate steps.
+    launch(make_config(*SHORT, f"mode={mode}", "gpus=2", f"resume={part}"), tmp_path / "unused")
+    (part / "checkpoint.pt").write_bytes(after_two)
+    launch(make_config(*SHORT, f"mode={mode}", "gpus=2", f"resume={part}/checkpoint.pt"), tmp_path / "unused")
+    assert not (tmp_path / "unused").exists()  # resumed runs go on in their own directory
+    assert_same_weights(torch.load(part / "model.pt"), whole_weights)
+    resumed = scalars(part, 0)
+    assert resumed["train/loss"] == whole["train/loss"]  # 30 steps, none twice, same values
+    assert resumed["test/accuracy"] == whole["test/accuracy"]
+
+
+def cli(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "mnist_dist", *overrides,
+                           f"hydra.run.dir={tmp_path}/new"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_root, tmp_path):
+    run(make_config, tmp_path / "run", "epochs=1")
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    common = [f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", f"resume={tmp_path}/run"]
+    refused = cli(tmp_path, *common, "epochs=2", "batch_size=32", "model.dropout=false")
+    assert refused.returncode == 1
+    assert refused.stderr == ("error: resume: the checkpoint was trained with other settings (model "
+                              "{'_target_': 'mnist_dist.model.ConvNet', 'dropout': True} -> {'_target_': "
+                              "'mnist_dist.model.ConvNet', 'dropout': False}; batch_size 64 -> 32); use the "
+                              "same settings, or resume_allow_changes=true if that is intended\n")
+    finished = cli(tmp_path, *common, "epochs=1")
+    assert finished.returncode == 1 and "pass epochs=2 or more" in finished.stderr
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before  # nothing overwritten
+    assert not (tmp_path / "new").exists()
+    allowed = cli(tmp_path, *common, "epochs=2", "batch_size=32", "resume_allow_changes=true")
+    assert allowed.returncode == 0, allowed.stderr
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["epoch"] == 2
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "no checkpoint there"),
+    (b"not a checkpoint", "cannot read the checkpoint (UnpicklingError"),
+])
+def test_missing_or_corrupt_checkpoint_is_one_clear_line(tiny_root, tmp_path, content, expected):
+    (tmp_path / "old").mkdir()
+    if content is not None:
+        (tmp_path / "old" / "checkpoint.pt").write_bytes(content)
+    result = cli(tmp_path, f"data.root={tiny_root}", f"resume={tmp_path}/old")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and expected in result.stderr
+    if content is not None:
+        assert (tmp_path / "old" / "checkpoint.pt").read_bytes() == content  # left as it was
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save({"epoch": 1}, path)
+
+    def crash(obj, handle):
+        handle.write(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save({"epoch": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left
+
+
+def test_compare_verdict_and_arithmetic():
+    results = {m: {"world_size": w, "test_accuracy": 0.9, "train_images_per_s": s}
+               for m, w, s in (("single", 1, 100.0), ("ddp", 2, 150.0))}
+    curves = {"single": {10: 1.0, 20: 0.5}, "ddp": {10: 1.00001, 20: 0.53}}
+    report = compare(results, curves, tolerance=0.02, early_tolerance=1e-4)
+    assert report["first_step"] == 10
+    assert [row["first_step_loss_diff"] for row in report["rows"]] == [0.0, pytest.approx(1e-5)]
+    assert [row["max_loss_diff"] for row in report["rows"]] == [0.0, pytest.approx(0.03)]
+    assert [row["final_loss"] for row in report["rows"]] == [0.5, 0.53]
+    assert not report["agree"] and report["verdict"].startswith("MODES DISAGREE")
+    assert compare(results, curves, tolerance=0.05, early_tolerance=1e-4)["agree"]
+    assert not compare(results, curves, tolerance=0.05, early_tolerance=1e-6)["agree"]
+
+
+def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mnist_dist.compare", "modes=[single,dp,ddp]", "gpus=2",
+                             f"data.root={tiny_root}", "data.mirrors=[]", "epochs=1", "batch_size=32",
+                             "log_every=2", "progress=false"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (out,) = (tmp_path / "outputs" / "compare").glob("*/*")
+    report = json.loads((out / "compare.json").read_text())
+    assert [row["mode"] for row in report["rows"]] == ["single", "dp", "ddp"]
+    assert report["agree"] and max(row["max_loss_diff"] for row in report["rows"]) < 1e-5
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "compare.md").read_text()
+    assert table in result.stdout and "modes agree" in table
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ddp", "dp", "single"]
