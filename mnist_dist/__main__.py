@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.train import TrainingDiverged
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
@@ -33,15 +35,26 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
+    signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` clauses stop the workers
     try:
         validate(config)
         launch(config, run_dir)
-    except (ConfigError, DataError, WorkerFailed) as error:
+    except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
+    except OSError as error:  # disk full, a path that cannot be written, ...
+        sys.exit(f"error: {_describe_os_error(error)}")
     except KeyboardInterrupt:
         sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
     finally:
         _remove_if_unused(run_dir)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _describe_os_error(error: OSError) -> str:
+    return f"cannot write {error.filename}: {error.strerror}" if error.filename else str(error)
 
 
 def _remove_if_unused(run_dir: Path) -> None:
@@ -68,3 +81,5 @@ if __name__ == "__main__":
         main()
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error)}")
+    except OSError as error:  # Hydra could not create the run directory
+        sys.exit(f"error: {_describe_os_error(error)}")

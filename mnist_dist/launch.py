@@ -62,6 +62,8 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
         return _as_torchrun_worker(cfg, run_dir)
     distributed = cfg.mode.name in DISTRIBUTED_MODES
     device = resolve_device(cfg)
+    if distributed and cfg.dist.port:
+        _check_port(cfg.dist.port)  # before any work; a free port is picked just before spawning
     if device == "cpu" and cfg.device == "auto" and distributed:
         log.info("no CUDA device: running %d CPU workers with gloo", cfg.gpus)
     elif device == "cpu" and cfg.device == "auto" and cfg.mode.name in ("dp", "split"):
@@ -72,50 +74,51 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
         return train(cfg, run_dir, data_dir, device)
     port = cfg.dist.port or _free_port()
     spawn = mp.get_context("spawn")
-    failures = spawn.SimpleQueue()
+    # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
+    reports, report_ends = zip(*(spawn.Pipe(duplex=False) for _ in range(world_size(cfg))))
     workers = [spawn.Process(target=_spawned_worker, name=f"rank_{rank}",
-                             args=(rank, cfg, run_dir, data_dir, device, port, failures))
+                             args=(rank, cfg, run_dir, data_dir, device, port, report_ends[rank]))
                for rank in range(world_size(cfg))]
     for worker in workers:
         worker.start()
     try:
-        _supervise(workers, failures, run_dir)
+        _supervise(workers, reports, run_dir)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
     return None
 
 
 def _spawned_worker(rank: int, cfg: Config, run_dir: Path, data_dir: Path, device: str, port: int,
-                    failures) -> None:
+                    report) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _share_cpu(device, cfg.gpus)
     try:
         train(cfg, run_dir, data_dir, device, rank=rank, world_size=cfg.gpus, local_rank=rank)
     except BaseException as error:  # the traceback is in rank_<r>.log already
-        failures.put((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
+        report.send((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
         sys.exit(1)
 
 
-def _supervise(workers: list, failures, run_dir: Path) -> None:
-    """Waits for every worker; when one fails, raises WorkerFailed naming the rank that failed first.
+def _supervise(workers: list, reports: tuple, run_dir: Path) -> None:
+    """Waits for every worker; when one fails, raises WorkerFailed naming the rank at the root of it.
 
-    When one rank dies its peers fail too, a moment later, in their next collective ("connection
-    closed by peer"). So the culprit is the earliest failure: ranks report Python exceptions with a
-    time stamp; a rank that dies without one (a signal, the OOM killer) is stamped when we notice.
+    When one rank fails its peers fail too, a moment later, in their next collective ("connection
+    closed by peer"), and report that. So: a rank that died without reporting (a signal, the OOM
+    killer) is the cause, since a peer's failure makes a rank raise, not vanish; otherwise the
+    earliest report, by the time stamp each rank took as it failed.
     """
     running = list(workers)
     while running:
         wait([worker.sentinel for worker in running])
-        noticed = time.monotonic()
         running = [worker for worker in running if worker.exitcode is None]
-        dead = [(noticed, rank, _exit_reason(worker.exitcode))
-                for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
-        if dead:
-            reported = []
-            while not failures.empty():
-                reported.append(failures.get())
-            raised = {rank for _, rank, _ in reported}
-            _, rank, reason = min(reported + [d for d in dead if d[1] not in raised])
+        failed = [rank for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
+        if failed:
+            reported = sorted(report.recv() for report in reports if report.poll())
+            silent = [rank for rank in failed if rank not in {r for _, r, _ in reported}]
+            if silent:
+                rank, reason = silent[0], _exit_reason(workers[silent[0]].exitcode)
+            else:
+                _, rank, reason = reported[0]
             raise WorkerFailed(f"rank {rank} failed: {reason} (log: {run_dir}/rank_{rank}.log)")
 
 
@@ -164,6 +167,15 @@ def _share_cpu(device: str, processes: int) -> None:
     # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
+def _check_port(port: int) -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConfigError(f"dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a "
+                              "free one") from None
 
 
 def _free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,9 @@ from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_mo
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
 log = logging.getLogger("mnist_dist")
+# tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
+# would leave it behind and Python warns about it at exit. Each bar lives in one process anyway.
+tqdm.set_lock(threading.RLock())
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
@@ -78,7 +82,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             epoch_started = time.perf_counter()
             model.train()
             order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
-            window_loss, window_comm = torch.zeros((), device=torch_device), 0.0
+            window_losses, window_comm = [], 0.0  # kept on the device: no sync per step
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False,
                        disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
                        dynamic_ncols=True)
@@ -86,16 +90,17 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                 loss, comm_seconds = train_step(model, optimizer, finish_sync,
                                                 train_x[indices], train_y[indices], torch_device)
                 step += 1
-                window_loss += loss.detach()
+                window_losses.append(loss.detach())
                 window_comm += comm_seconds
                 throughput.step(len(indices))
                 if step % cfg.log_every == 0:
-                    loss_value = window_loss.item() / cfg.log_every
-                    log_window(scalars, throughput, step, rank, loss_value, window_comm / cfg.log_every,
+                    loss_value = check_finite(torch.stack(window_losses), step, rank).mean().item()
+                    log_window(scalars, throughput, step, rank, loss_value, window_comm / len(window_losses),
                                optimizer.param_groups[0]["lr"], bar)
-                    window_loss.zero_()
-                    window_comm = 0.0
+                    window_losses, window_comm = [], 0.0
                 bar.update()
+            if window_losses:  # the epoch's last steps, short of a full window
+                check_finite(torch.stack(window_losses), step, rank)
             bar.close()
             throughput.pause()
 
@@ -132,14 +137,31 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                              "lr": cfg.optim.lr, "seed": cfg.seed},
                             ["test/accuracy", "test/loss", "results/images_per_s"])
             log.info("results: %s", results)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return results
     except Exception:
+        # The process group is left as it is: closing it now would make the other ranks fail
+        # before this one has reported, and the launcher names the rank that failed first.
         log.exception("rank %d failed", rank)
         raise
     finally:
         scalars.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became nan or inf; the message names the step."""
+
+
+def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        first = bad[0].item()
+        raise TrainingDiverged(f"the training loss is {losses[first].item()} at step "
+                               f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
+                               "data, or resume from the last checkpoint")
+    return losses
 
 
 def train_step(model, optimizer, finish_sync, x, y, device) -> tuple[torch.Tensor, float]:

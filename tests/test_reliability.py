@@ -82,9 +82,10 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     pids = tmp_path / "pids"
     pids.mkdir()
     # 640 images at batch 32 = 20 steps an epoch; slow each step down so the signal lands mid-run.
-    process = start(tmp_path, "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=50",
-                    "model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1",
-                    "+model.step_seconds=0.05", f"+model.pid_dir={pids}")
+    settings = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY,
+                "model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1",
+                "+model.step_seconds=0.05", f"+model.pid_dir={pids}"]
+    process = start(tmp_path, *settings, "epochs=50")
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline:
@@ -98,8 +99,7 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     workers = [int(p.name) for p in pids.iterdir()]
     assert len(workers) == 2 and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
     epoch = torch.load(checkpoint, weights_only=False)["epoch"]
-    resumed = subprocess.run([sys.executable, "-m", "mnist_dist", "mode=ddp", "gpus=2",
-                              f"data.root={tiny_root}", *TINY, f"epochs={epoch + 1}",
+    resumed = subprocess.run([sys.executable, "-m", "mnist_dist", *settings, f"epochs={epoch + 1}",
                               f"resume={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True,
                              timeout=120)
     assert resumed.returncode == 0, resumed.stderr
