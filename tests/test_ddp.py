@@ -176,3 +176,22 @@ def test_fp16_gradients_on_gloo_warn_once(tmp_path):
     for messages, dtype in run_ranks(fp16_on_gloo, 2, tmp_path):
         assert dtype == torch.float16
         assert len(messages) == 1 and messages[0].startswith("fp16 gradients on gloo")
+
+
+def batchnorm_buffers(rank, world_size, broadcast):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    ddp = DistributedDataParallel(net, broadcast_buffers=broadcast)
+    for _ in range(3):
+        x = torch.randn(4, 8) + 3 * rank  # each rank sees other data: its running stats drift apart
+        ddp(x).sum().backward()
+        ddp.finish_gradient_sync()
+    ddp.eval()
+    ddp(torch.zeros(1, 8))  # eval: BatchNorm only reads its statistics; the broadcast still happens
+    return net[1].running_mean.clone()
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_follow_rank_0_before_each_forward(tmp_path, broadcast):
+    mean0, mean1 = run_ranks(batchnorm_buffers, 2, tmp_path, broadcast)
+    assert torch.equal(mean0, mean1) == broadcast

@@ -3,7 +3,9 @@
 It is a modern version of NVIDIA apex's 2018 design, written only with public PyTorch APIs.
 
 **Same start.** At wrap time rank 0's parameters and buffers are broadcast, so every replica starts
-identical; identical averaged gradients then keep them identical.
+identical; identical averaged gradients then keep them identical. Buffers (BatchNorm's running
+statistics) are not gradients: each rank updates its own in forward, so, as torch DDP does, rank 0's
+are broadcast again before every synchronised forward.
 
 **Buckets.** One all-reduce per gradient pays a message's latency per tensor; one all-reduce of
 everything after backward cannot overlap with compute. So gradients are copied into flat buckets of
@@ -78,6 +80,7 @@ class DistributedDataParallel(nn.Module):
             ``delay_allreduce``), for comparison.
         find_unused_parameters: a parameter that requires grad but gets none counts as a zero
             gradient. Off by default: it is usually a bug, reported by name.
+        broadcast_buffers: give every rank rank 0's buffers before each synchronised forward.
     """
 
     def __init__(
@@ -86,12 +89,14 @@ class DistributedDataParallel(nn.Module):
         message_size: int = 1_000_000,
         overlap: bool = True,
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
         self.message_size = message_size
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
         self.world_size = dist.get_world_size()
         named = list(module.named_parameters())
         self._names = [name for name, _ in named]
@@ -104,14 +109,16 @@ class DistributedDataParallel(nn.Module):
         self._step = _Step()
         device = self._params[0].device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._broadcast_from_rank0()
+        self._replicated_buffers = list(module.buffers())
+        self._broadcast_from_rank0([*self._params, *self._replicated_buffers])
         for index, param in enumerate(self._params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
 
     @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        # Once per run, so one collective per tensor is cheap enough and keeps this obvious.
-        for tensor in [*self._params, *self.module.buffers()]:
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        # A few small tensors (parameters once per run, buffers per step): one collective each is
+        # cheap enough and keeps this obvious.
+        for tensor in tensors:
             dist.broadcast(tensor, src=0)
 
     def forward(self, *args, **kwargs):
@@ -119,6 +126,8 @@ class DistributedDataParallel(nn.Module):
         if key != self._plan_key:  # first step, or layers were (un)frozen: record the order again
             self._plan_key, self._buckets, self._bucket_of = key, [], {}
         self._sync_this_backward = self._sync_enabled
+        if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled():
+            self._broadcast_from_rank0(self._replicated_buffers)
         return self.module(*args, **kwargs)
 
     @contextmanager
