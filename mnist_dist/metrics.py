@@ -2,8 +2,10 @@
 
 Tag names are stable, so runs of every mode overlay in TensorBoard:
 
-- every rank, in ``tb/rank_<r>``: ``train/loss``, ``perf/images_per_s``, ``perf/comm_wait_ms``
-  (ddp: time blocked in ``finish_gradient_sync``, i.e. communication not hidden behind backward)
+- every rank, in ``tb/rank_<r>``: ``train/loss``, ``perf/images_per_s``, and where a step's time
+  goes: ``time/data_ms`` (indexing the batch), ``time/forward_backward_ms``, ``time/comm_wait_ms``
+  (ddp: time blocked in ``finish_gradient_sync``, i.e. communication not hidden behind backward),
+  ``time/optimizer_ms``
 - rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
   ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``, ``results/images_per_s`` (the run's
   average, at the end) and the run's hyperparameters for the HPARAMS tab
@@ -84,6 +86,50 @@ class Throughput:
     @property
     def images_per_s(self) -> float:
         return self.total_images / self.total_seconds if self.total_seconds else 0.0
+
+
+class StepTimer:
+    """Splits sampled steps into phases. It synchronises the device at every phase boundary, which
+    would slow every step on a GPU, so only the steps passed ``sample=True`` are timed."""
+
+    PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sampling = False
+        self.last = 0.0
+        self.window = dict.fromkeys(self.PHASES, 0.0)
+        self.total = dict.fromkeys(self.PHASES, 0.0)
+        self.window_steps = self.total_steps = 0
+
+    def start(self, sample: bool) -> None:
+        self.sampling = sample
+        if sample:
+            synchronize(self.device)
+            self.last = time.perf_counter()
+            self.window_steps += 1
+
+    def mark(self, phase: str) -> None:
+        """Ends ``phase`` of this step (a no-op on steps not sampled)."""
+        if self.sampling:
+            synchronize(self.device)
+            now = time.perf_counter()
+            self.window[phase] += now - self.last
+            self.last = now
+
+    def lap(self) -> dict[str, float]:
+        """Milliseconds per phase, averaged over the sampled steps since the last lap."""
+        steps = max(self.window_steps, 1)
+        means = {phase: 1000 * seconds / steps for phase, seconds in self.window.items()}
+        for phase, seconds in self.window.items():
+            self.total[phase] += seconds
+        self.total_steps += self.window_steps
+        self.window, self.window_steps = dict.fromkeys(self.PHASES, 0.0), 0
+        return means
+
+    def means_ms(self) -> dict[str, float]:
+        """Milliseconds per phase over the whole run."""
+        return {phase: 1000 * seconds / max(self.total_steps, 1) for phase, seconds in self.total.items()}
 
 
 class Scalars:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import threading
 import time
 from datetime import timedelta
@@ -24,8 +25,9 @@ from tqdm import tqdm
 from mnist_dist import checkpoint
 from mnist_dist.config import DISTRIBUTED_MODES, Config
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.metrics import Scalars, Throughput, all_reduce, synchronize
+from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
+from mnist_dist.precision import Precision
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
 log = logging.getLogger("mnist_dist")
@@ -54,10 +56,16 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                                              cfg.data.std, torch_device)
         test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean,
                                            cfg.data.std, torch_device)
+        if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
+            train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
         torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
         model = instantiate(cfg.model)
         if resumed:
             model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if cfg.compile:
+            model.compile()  # in place: parameter names, hooks and checkpoints stay as they are
         model = wrap_model(model, cfg.mode, torch_device, cfg.gpus)
         random.seed(cfg.seed + rank)
         torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
@@ -71,7 +79,9 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             checkpoint.restore_rng(resumed["rng"], rank)
             log.info("resuming %s at epoch %d, step %d", cfg.resume, first_epoch, step)
         finish_sync = gradient_sync(model)
+        precision = Precision(cfg.amp, torch_device)
         throughput = Throughput(torch_device, cfg.warmup_steps)
+        timer = StepTimer(torch_device)
         steps = steps_per_epoch(len(train_x), cfg.batch_size)
         local_batch = cfg.batch_size // world_size
         log.info("%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
@@ -82,22 +92,23 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             epoch_started = time.perf_counter()
             model.train()
             order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
-            window_losses, window_comm = [], 0.0  # kept on the device: no sync per step
+            window_losses = []  # kept on the device: no sync per step
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False,
                        disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
                        dynamic_ncols=True)
             for indices in rank_batches(order, cfg.batch_size, rank, world_size):
-                loss, comm_seconds = train_step(model, optimizer, finish_sync,
-                                                train_x[indices], train_y[indices], torch_device)
                 step += 1
+                timer.start(sample=step % cfg.log_every == 0)  # the last step of each window is timed
+                x, y = train_x[indices], train_y[indices]
+                timer.mark("data")
+                loss = train_step(model, optimizer, finish_sync, x, y, precision, timer.mark)
                 window_losses.append(loss.detach())
-                window_comm += comm_seconds
                 throughput.step(len(indices))
                 if step % cfg.log_every == 0:
                     loss_value = check_finite(torch.stack(window_losses), step, rank).mean().item()
-                    log_window(scalars, throughput, step, rank, loss_value, window_comm / len(window_losses),
+                    log_window(scalars, throughput, timer, step, rank, loss_value,
                                optimizer.param_groups[0]["lr"], bar)
-                    window_losses, window_comm = [], 0.0
+                    window_losses = []
                 bar.update()
             if window_losses:  # the epoch's last steps, short of a full window
                 check_finite(torch.stack(window_losses), step, rank)
@@ -105,8 +116,9 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             throughput.pause()
 
             # --- evaluate --------------------------------------------------------------------
-            test_loss, test_accuracy = evaluate(unwrap(model), test_x, test_y, cfg.test_batch_size,
-                                                rank, world_size)
+            with precision.autocast():
+                test_loss, test_accuracy = evaluate(unwrap(model), test_x, test_y, cfg.test_batch_size,
+                                                    rank, world_size)
             scheduler.step()
             epoch_seconds = time.perf_counter() - epoch_started
             rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
@@ -128,6 +140,10 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             # All ranks step together, so the sum of their images over the mean time is the global rate.
             "train_images_per_s": images / (seconds / world_size) if seconds else 0.0,
             "wall_time_s": time.perf_counter() - started,
+            "step_time_ms": timer.means_ms(),  # rank 0's, from the sampled steps
+            "peak_rss_mib": per_rank(peak_rss_mib(), rank, world_size),
+            "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20, rank, world_size)
+            if torch_device.type == "cuda" else None,
         }
         if rank == 0:
             checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
@@ -164,19 +180,24 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return losses
 
 
-def train_step(model, optimizer, finish_sync, x, y, device) -> tuple[torch.Tensor, float]:
-    """One optimizer step on this rank's share of the global batch; returns (loss, comm wait seconds)."""
+def train_step(model, optimizer, finish_sync, x, y, precision: Precision, mark) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch; returns its loss.
+
+    ``mark(phase)`` ends a phase for the step timer; ``finish_sync`` waits for the gradients'
+    all-reduce (our DDP; a no-op elsewhere), so its phase is the communication backward did not hide.
+    """
     optimizer.zero_grad(set_to_none=True)
-    logits = model(x)
-    loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    loss.backward()
-    synchronize(device)  # so that the wait below is communication, not backward still running
-    waited = time.perf_counter()
+    with precision.autocast():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
+    precision.scaler.scale(loss).backward()
+    mark("forward_backward")
     finish_sync()
-    synchronize(device)
-    waited = time.perf_counter() - waited
-    optimizer.step()
-    return loss, waited
+    mark("comm_wait")
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    mark("optimizer")
+    return loss
 
 
 @torch.no_grad()
@@ -195,12 +216,12 @@ def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[
     return loss_sum / len(x), correct / len(x)
 
 
-def log_window(scalars: Scalars, throughput: Throughput, step: int, rank: int, loss: float,
-               comm_seconds: float, lr: float, bar: tqdm) -> None:
+def log_window(scalars: Scalars, throughput: Throughput, timer: StepTimer, step: int, rank: int,
+               loss: float, lr: float, bar: tqdm) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
     window = throughput.lap()
     images, seconds = window or (0, 0.0)
-    tags = {"train/loss": loss, "perf/comm_wait_ms": 1000 * comm_seconds}
+    tags = {"train/loss": loss, **{f"time/{phase}_ms": ms for phase, ms in timer.lap().items()}}
     if window:
         tags["perf/images_per_s"] = images / seconds
     global_loss, global_images = all_reduce([loss, images])
@@ -213,6 +234,17 @@ def log_window(scalars: Scalars, throughput: Throughput, step: int, rank: int, l
         bar.set_postfix(loss=f"{global_loss / world_size:.4f}",
                         img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
     scalars.add(step, **tags)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def per_rank(value: float, rank: int, world_size: int) -> list[float]:
+    """Every rank's ``value``, by rank (a collective: all ranks call)."""
+    slots = [0.0] * world_size
+    slots[rank] = value
+    return all_reduce(slots)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

@@ -11,7 +11,8 @@ from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.train import evaluate
 
-RANK_TAGS = {"train/loss", "perf/images_per_s", "perf/comm_wait_ms"}
+RANK_TAGS = {"train/loss", "perf/images_per_s", "time/data_ms", "time/forward_backward_ms",
+             "time/comm_wait_ms", "time/optimizer_ms"}
 RANK0_TAGS = RANK_TAGS | {"train/loss_global", "perf/images_per_s_global", "train/lr",
                           "perf/epoch_time_s", "test/loss", "test/accuracy", "results/images_per_s"}
 

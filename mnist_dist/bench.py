@@ -1,0 +1,217 @@
+"""How fast is each mode, and how do they compare? Side-by-side, repeatable throughput numbers.
+
+    python -m mnist_dist.bench                      # defaults: < 10 minutes on a 2-core CPU
+    python -m mnist_dist.bench --device cuda --batch 512 --steps 400 --gpus 4
+
+Every case is a fresh process training the same convnet on the same generated data (so no
+download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
+counted. Cases that are compared run interleaved (A B A B ...), so drift in the machine's speed hits
+both; each ratio is the median of the per-round ratios. Writes bench.md, bench.json and bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+import torch
+
+from mnist_dist.synthetic import write_idx
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# Trainer cases: overrides of `python -m mnist_dist`; "classic" and "ceiling" are measured here.
+CASES = {
+    "single": [],
+    "classic": None,  # DataLoader over the torchvision dataset, per-sample ToTensor + Normalize
+    "ceiling": None,  # forward + backward + step on one resident batch: nothing else to do
+    "single_bf16": ["amp=bf16"],
+    "ddp": ["mode=ddp"],  # default message_size: 3 buckets for this convnet
+    "torch_ddp": ["mode=torch_ddp"],
+    "ddp_no_overlap": ["mode=ddp", "mode.overlap=false"],
+    "ddp_1_bucket": ["mode=ddp", "mode.message_size=10000000"],
+    "ddp_per_param": ["mode=ddp", "mode.message_size=1"],
+}
+GROUPS = [["single", "classic", "ceiling", "single_bf16"],
+          ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param"]]
+# (case, baseline, target ratio or None, what it answers)
+COMPARISONS = [
+    ("single", "classic", 1.15, "resident data vs a DataLoader with per-sample transforms"),
+    ("single", "ceiling", 0.95, "the trainer vs bare forward+backward+step"),
+    ("ddp", "torch_ddp", 1.05, "our DDP vs torch DDP, 2 ranks"),
+    ("ddp", "ddp_no_overlap", None, "all-reduce overlapped with backward vs after it"),
+    ("ddp_per_param", "ddp_1_bucket", None, "one bucket per parameter vs one bucket"),
+    ("ddp", "ddp_1_bucket", None, "3 buckets (default) vs one bucket"),
+    ("single_bf16", "single", 1.5, "bf16 autocast vs fp32"),
+]
+EXPOSED_COMM_TARGET = 0.05  # ddp: share of the step spent waiting for the all-reduce after backward
+
+
+def summarize(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def paired_ratio(case: list[float], baseline: list[float]) -> dict:
+    """Median and range of the per-round ratios: round i of both ran back to back."""
+    return summarize([a / b for a, b in zip(case, baseline)])
+
+
+def report(samples: dict[str, list[dict]]) -> dict:
+    """The numbers behind the tables, from every run's measurement."""
+    speed = {case: [run["images_per_s"] for run in runs] for case, runs in samples.items()}
+    cases = {case: {**summarize(values),
+                    "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case])}
+             for case, values in speed.items()}
+    comparisons = []
+    for case, baseline, target, question in COMPARISONS:
+        if case in speed and baseline in speed:
+            ratio = paired_ratio(speed[case], speed[baseline])
+            comparisons.append({"name": f"{case} / {baseline}", "question": question, "kind": "ratio",
+                                **ratio, "target": target,
+                                "met": None if target is None else ratio["median"] >= target})
+    if "ddp" in samples:
+        shares = [run["step_time_ms"]["comm_wait"] / sum(run["step_time_ms"].values()) for run in samples["ddp"]]
+        comparisons.append({"name": "ddp: exposed communication", "kind": "share",
+                            "question": "time waiting for the all-reduce after backward / step time",
+                            **summarize(shares), "target": EXPOSED_COMM_TARGET,
+                            "met": statistics.median(shares) <= EXPOSED_COMM_TARGET})
+    return {"cases": cases, "comparisons": comparisons}
+
+
+def markdown(result: dict, settings: dict) -> str:
+    lines = [f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
+             f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
+             "", "| case | images/s (median) | min – max | peak RSS per rank (MiB) |", "|---|---|---|---|"]
+    for case, row in result["cases"].items():
+        lines.append(f"| {case} | {row['median']:,.0f} | {row['min']:,.0f} – {row['max']:,.0f} | "
+                     f"{row['peak_rss_mib']:,.0f} |")
+    lines += ["", "| comparison | ratio (median) | min – max | target | met |", "|---|---|---|---|---|"]
+    for row in result["comparisons"]:
+        share = row["kind"] == "share"
+        target = "" if row["target"] is None else (f"≤ {row['target']:.0%}" if share else f"≥ {row['target']:.2f}")
+        value = (f"{row['median']:.1%} | {row['min']:.1%} – {row['max']:.1%}" if share
+                 else f"{row['median']:.2f} | {row['min']:.2f} – {row['max']:.2f}")
+        met = "" if row["met"] is None else ("yes" if row["met"] else "**no**")
+        lines.append(f"| {row['name']} | {value} | {target} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> None:
+    names = list(result["cases"])
+    rows = [result["cases"][name] for name in names]
+    medians = [row["median"] for row in rows]
+    errors = [[m - row["min"] for m, row in zip(medians, rows)], [row["max"] - m for m, row in zip(medians, rows)]]
+    figure, axis = plt.subplots(figsize=(9, 3.8))
+    axis.bar(names, medians, yerr=errors, capsize=4, color="tab:blue")
+    axis.set(ylabel="images/s (global, median, min–max)", title="throughput per case")
+    axis.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> dict:
+    """The two cases written in the benchmark itself, in this process."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    from mnist_dist.model import ConvNet
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    if case == "classic":  # pytorch/examples mnist, as people write it
+        dataset = datasets.MNIST(str(root), train=True, download=False, transform=transforms.Compose(
+            [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]))
+        batches = iter(DataLoader(dataset, batch_size=batch, shuffle=True))
+    else:
+        resident = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
+        batches = iter(lambda: resident, None)
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = time.perf_counter()
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    seconds = time.perf_counter() - started
+    return {"images_per_s": steps * batch / seconds,
+            "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
+
+
+def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
+    base = [sys.executable, "-m", "mnist_dist.bench"]
+    if CASES[case] is None:
+        command = [*base, "--measure", case, "--data", str(work / "data" / "MNIST" / "raw"),
+                   "--batch", str(settings["batch"]), "--steps", str(settings["steps"]),
+                   "--warmup", str(settings["warmup"])]
+        return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    run_dir = work / "runs" / f"{case}_{round_}"
+    command = [sys.executable, "-m", "mnist_dist", *CASES[case], f"gpus={settings['gpus']}",
+               f"device={settings['device']}", f"data.root={work / 'data'}", "data.mirrors=[]", "epochs=1",
+               f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}", "progress=false",
+               f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"bench: {case} failed: {result.stderr.strip().splitlines()[-1]}")
+    results = json.loads((run_dir / "results.json").read_text())
+    return {"images_per_s": results["train_images_per_s"], "peak_rss_mib": results["peak_rss_mib"],
+            "step_time_ms": results["step_time_ms"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--gpus", type=int, default=2, help="ranks of the ddp cases")
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
+        print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup)))
+        return 0
+    chosen = args.cases.split(",")
+    unknown = sorted(set(chosen) - set(CASES))
+    if unknown:
+        sys.exit(f"bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "steps", "warmup", "repeats")}
+    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
+    # One epoch = warm-up + timed steps (the trainer's clock also skips the first step after warm-up).
+    write_idx(work / "data" / "MNIST" / "raw", n_train=(args.warmup + args.steps + 1) * args.batch, n_test=500)
+    samples: dict[str, list[dict]] = {case: [] for case in chosen}
+    for group in GROUPS:
+        group = [case for case in group if case in chosen]
+        for round_ in range(args.repeats):
+            for case in group:
+                samples[case].append(run_case(case, work, settings, round_))
+                print(f"round {round_ + 1}/{args.repeats} {case}: "
+                      f"{samples[case][-1]['images_per_s']:,.0f} images/s", flush=True)
+    result = report(samples)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown(result, settings)
+    (args.out / "bench.md").write_text(table)
+    (args.out / "bench.json").write_text(json.dumps({"settings": settings, "samples": samples, **result},
+                                                    indent=2) + "\n")
+    chart(result, args.out / "bench.png")
+    print("\n" + table + f"\nwrote {args.out}/bench.md, bench.json, bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

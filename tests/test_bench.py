@@ -1,0 +1,56 @@
+"""The benchmark's arithmetic (medians, paired ratios, targets), on made-up numbers and a tiny run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mnist_dist.bench import markdown, paired_ratio, report
+
+
+def run(speed, comm=0.0):
+    return {"images_per_s": speed, "peak_rss_mib": [100.0, 120.0],
+            "step_time_ms": {"data": 0.0, "forward_backward": 9.0, "comm_wait": comm, "optimizer": 1.0}}
+
+
+def test_ratios_are_medians_of_paired_rounds():
+    # Round 2 ran on a slower machine for both: the paired ratio stays 2, the ratio of medians would not.
+    assert paired_ratio([200.0, 100.0, 210.0], [100.0, 50.0, 100.0]) == {
+        "median": 2.0, "min": 2.0, "max": 2.1, "n": 3}
+
+
+def test_report_medians_targets_and_exposed_communication():
+    samples = {"single": [run(1200.0), run(1000.0), run(1100.0)],
+               "classic": [run(1000.0), run(1000.0), run(1000.0)],
+               "ddp": [run(900.0, comm=1.0), run(950.0, comm=0.5), run(800.0, comm=0.2)],
+               "torch_ddp": [run(1000.0), run(1000.0), run(1000.0)]}
+    result = report(samples)
+    assert result["cases"]["single"] == {"median": 1100.0, "min": 1000.0, "max": 1200.0, "n": 3,
+                                         "peak_rss_mib": 120.0}
+    rows = {row["name"]: row for row in result["comparisons"]}
+    assert set(rows) == {"single / classic", "ddp / torch_ddp", "ddp: exposed communication"}
+    assert rows["single / classic"]["median"] == pytest.approx(1.1) and rows["single / classic"]["met"] is False
+    assert rows["ddp / torch_ddp"]["median"] == pytest.approx(0.9) and not rows["ddp / torch_ddp"]["met"]
+    share = rows["ddp: exposed communication"]
+    assert share["median"] == pytest.approx(0.5 / 10.5) and share["max"] == pytest.approx(1 / 11)
+    assert share["met"] is True  # 4.8 % <= 5 %
+    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2})
+    assert "| single / classic | 1.10 | 1.00 – 1.20 | ≥ 1.15 | **no** |" in table
+    assert "| ddp: exposed communication | 4.8% | 2.0% – 9.1% | ≤ 5% | yes |" in table
+
+
+@pytest.mark.slow
+def test_a_tiny_run_reports_what_it_measured(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mnist_dist.bench", "--cases", "single,ceiling",
+                             "--repeats", "2", "--steps", "6", "--warmup", "2", "--batch", "16",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    speeds = {case: [run["images_per_s"] for run in runs] for case, runs in saved["samples"].items()}
+    assert saved["cases"]["single"]["median"] == pytest.approx(sum(speeds["single"]) / 2)
+    (ratio,) = saved["comparisons"]
+    assert ratio["name"] == "single / ceiling"
+    assert ratio["median"] == pytest.approx(sum(a / b for a, b in zip(speeds["single"], speeds["ceiling"])) / 2)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "bench.md").read_text() in result.stdout

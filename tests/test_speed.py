@@ -1,0 +1,65 @@
+"""The speed options (amp, channels_last, compile) work in every mode and change nothing they shouldn't."""
+
+import pytest
+import torch
+
+from mnist_dist.launch import launch
+from mnist_dist.precision import Precision
+from mnist_dist.train import train_step
+from test_train import scalars
+
+STEPS = ("epochs=1", "batch_size=32", "log_every=1", "model.dropout=false")
+
+
+def losses(make_config, run_dir, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(make_config(*STEPS, *overrides), run_dir)
+    return torch.tensor(scalars(run_dir, 0)["train/loss_global"])  # the mean over ranks
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory, tiny_root):
+    from conftest import compose_config
+
+    run_dir = tmp_path_factory.mktemp("fp32")
+    launch(compose_config(tiny_root, *STEPS), run_dir)
+    return torch.tensor(scalars(run_dir, 0)["train/loss_global"])
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp", "torch_ddp"])
+def test_bf16_autocast_trains_like_fp32_in_every_mode(make_config, tmp_path, fp32, mode):
+    bf16 = losses(make_config, tmp_path, f"mode={mode}", "gpus=2", "amp=bf16")
+    assert bf16[-1] < 0.5 * bf16[0]
+    # bf16 keeps 8 bits of mantissa: the first loss (same weights) is fp32's to about 1 %, and then
+    # Adadelta at lr 1.0 lets the two runs drift apart, as any change of rounding does.
+    torch.testing.assert_close(bf16[0], fp32[0], rtol=0.02, atol=0.0)
+    assert bf16[0] != fp32[0]
+
+
+def test_fp16_scales_the_loss_and_bf16_does_not():
+    # fp16 convolutions on a CPU take a slow reference path, so this checks the step, not a run.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    for amp, scaled in (("fp16", True), ("bf16", False), ("off", False)):
+        precision = Precision(amp, torch.device("cpu"))
+        assert precision.scaler.is_enabled() == scaled
+        first = train_step(model, optimizer, lambda: None, x, y, precision, lambda phase: None)
+        for _ in range(20):
+            loss = train_step(model, optimizer, lambda: None, x, y, precision, lambda phase: None)
+        assert loss < first
+        if scaled:
+            assert precision.scaler.get_scale() > 1  # gradients were scaled up, then unscaled
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_channels_last_computes_the_same_curve(make_config, tmp_path, fp32, mode):
+    nhwc = losses(make_config, tmp_path, f"mode={mode}", "gpus=2", "channels_last=true")
+    torch.testing.assert_close(nhwc, fp32, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_computes_the_same_curve(make_config, tmp_path, fp32):
+    compiled = losses(make_config, tmp_path, "compile=true")
+    torch.testing.assert_close(compiled, fp32, rtol=1e-4, atol=1e-5)
