@@ -35,6 +35,12 @@ class ModeConfig:
     message_size: int = 1_000_000
     overlap: bool = True  # ddp: all-reduce while backward runs (false: only after it, for comparison)
     find_unused_parameters: bool = False  # ddp/torch_ddp: allow parameters that get no gradient
+    # ddp/torch_ddp: BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the
+    # global batch instead of each rank's share, at the cost of a collective per layer in forward and
+    # in backward. It matters when that share is small (below about 16 images; rarely at 32 or more),
+    # and batch_size is global, so more ranks mean smaller shares. CUDA only: torch's SyncBatchNorm does
+    # not run on CPU tensors.
+    sync_batchnorm: bool = False
 
 
 @dataclass
@@ -75,6 +81,9 @@ class Config:
     log_every: int = 10  # steps between loss/throughput scalars
     warmup_steps: int = 5  # steps left out of throughput numbers (allocator, caches, first buckets)
     progress: bool = True  # tqdm bar on rank 0
+    amp: str = "off"  # off | bf16 | fp16: autocast for forward and loss (fp16 adds a GradScaler)
+    channels_last: bool = False  # NHWC memory layout for images and convolution weights
+    compile: bool = False  # torch.compile the model (in place) before the mode wraps it
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
     # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
     deterministic: bool = True
@@ -90,6 +99,8 @@ def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
     if cfg.mode.name not in MODES:
         raise ConfigError(f"mode.name={cfg.mode.name!r} is not one of {', '.join(MODES)}")
+    if cfg.amp not in ("off", "bf16", "fp16"):
+        raise ConfigError(f"amp={cfg.amp!r} is not one of off, bf16, fp16")
     if cfg.device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device={cfg.device!r} is not one of auto, cuda, cpu")
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every"):

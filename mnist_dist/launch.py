@@ -8,35 +8,30 @@ Three ways in, one worker (``mnist_dist.train.train``):
   the data while the others wait at a barrier. This is how the app runs across nodes.
 
 A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
-collective, pytorch/pytorch#17113), and the parent exits non-zero naming the rank and its error.
+collective, pytorch/pytorch#17113), and the parent exits non-zero naming the rank and its error. The
+spawning and supervising is ``mnist_dist.parallel.spawn``, which your own scripts can use as well.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import sys
-import time
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mnist_dist import checkpoint
 from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, devices_needed, world_size
 from mnist_dist.data import prepare, raw_dir
+from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.train import train
 
+__all__ = ["launch", "resolve_device", "WorkerFailed"]
+
 log = logging.getLogger("mnist_dist")
-
-
-class WorkerFailed(RuntimeError):
-    """A worker raised or died; the message names the rank."""
 
 
 def resolve_device(cfg: Config) -> str:
@@ -62,6 +57,7 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
         return _as_torchrun_worker(cfg, run_dir)
     distributed = cfg.mode.name in DISTRIBUTED_MODES
     device = resolve_device(cfg)
+    _check_sync_batchnorm(cfg, device)
     if distributed and cfg.dist.port:
         _check_port(cfg.dist.port)  # before any work; a free port is picked just before spawning
     if device == "cpu" and cfg.device == "auto" and distributed:
@@ -72,72 +68,15 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     if not distributed:
         return train(cfg, run_dir, data_dir, device)
-    port = cfg.dist.port or _free_port()
-    spawn = mp.get_context("spawn")
-    # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
-    reports, report_ends = zip(*(spawn.Pipe(duplex=False) for _ in range(world_size(cfg))))
-    workers = [spawn.Process(target=_spawned_worker, name=f"rank_{rank}",
-                             args=(rank, cfg, run_dir, data_dir, device, port, report_ends[rank]))
-               for rank in range(world_size(cfg))]
-    for worker in workers:
-        worker.start()
-    try:
-        _supervise(workers, reports, run_dir)
-    finally:
-        _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
+    # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
+    spawn(_spawned_worker, world_size(cfg), cfg, run_dir, data_dir, device, log_dir=run_dir,
+          port=cfg.dist.port)
     return None
 
 
-def _spawned_worker(rank: int, cfg: Config, run_dir: Path, data_dir: Path, device: str, port: int,
-                    report) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _share_cpu(device, cfg.gpus)
-    try:
-        train(cfg, run_dir, data_dir, device, rank=rank, world_size=cfg.gpus, local_rank=rank)
-    except BaseException as error:  # the traceback is in rank_<r>.log already
-        report.send((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
-        sys.exit(1)
-
-
-def _supervise(workers: list, reports: tuple, run_dir: Path) -> None:
-    """Waits for every worker; when one fails, raises WorkerFailed naming the rank at the root of it.
-
-    When one rank fails its peers fail too, a moment later, in their next collective ("connection
-    closed by peer"), and report that. So: a rank that died without reporting (a signal, the OOM
-    killer) is the cause, since a peer's failure makes a rank raise, not vanish; otherwise the
-    earliest report, by the time stamp each rank took as it failed.
-    """
-    running = list(workers)
-    while running:
-        wait([worker.sentinel for worker in running])
-        running = [worker for worker in running if worker.exitcode is None]
-        failed = [rank for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
-        if failed:
-            reported = sorted(report.recv() for report in reports if report.poll())
-            silent = [rank for rank in failed if rank not in {r for _, r, _ in reported}]
-            if silent:
-                rank, reason = silent[0], _exit_reason(workers[silent[0]].exitcode)
-            else:
-                _, rank, reason = reported[0]
-            raise WorkerFailed(f"rank {rank} failed: {reason} (log: {run_dir}/rank_{rank}.log)")
-
-
-def _exit_reason(exitcode: int) -> str:
-    if exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exited with code {exitcode}"
-
-
-def _stop(workers: list, grace_s: float = 5.0) -> None:
-    for worker in workers:
-        if worker.is_alive():
-            worker.terminate()  # SIGTERM first: a rank blocked in a collective dies at once
-    deadline = time.monotonic() + grace_s
-    for worker in workers:
-        worker.join(max(0.0, deadline - time.monotonic()))
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
+def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path, device: str) -> None:
+    _share_cpu(device, size)
+    train(cfg, run_dir, data_dir, device, rank=rank, world_size=size, local_rank=rank)
 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
@@ -149,6 +88,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(local_rank)
+    _check_sync_batchnorm(cfg, device)
     _share_cpu(device, local_size)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
                             timeout=timedelta(seconds=cfg.dist.timeout_s))
@@ -169,6 +109,14 @@ def _share_cpu(device: str, processes: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 
 
+def _check_sync_batchnorm(cfg: Config, device: str) -> None:
+    # torch's SyncBatchNorm all-reduces its statistics only for accelerator tensors: on CPU its forward
+    # raises and torch DDP refuses it, so say so before anything starts.
+    if cfg.mode.sync_batchnorm and device == "cpu" and cfg.mode.name in DISTRIBUTED_MODES:
+        raise ConfigError("mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on CPU "
+                          "tensors; use mode.sync_batchnorm=false on CPU")
+
+
 def _check_port(port: int) -> None:
     with socket.socket() as probe:
         try:
@@ -176,11 +124,3 @@ def _check_port(port: int) -> None:
         except OSError:
             raise ConfigError(f"dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a "
                               "free one") from None
-
-
-def _free_port() -> int:
-    # Bind to port 0 and let the OS choose: a fixed port collides with the previous run still in
-    # TIME_WAIT or another job ("Address already in use", pytorch/pytorch#11324).
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -1,0 +1,256 @@
+"""Pre-flight check: will this model train correctly in every mode? Seconds, with no data set.
+
+    python -m mnist_dist.check                                           # the convnet
+    python -m mnist_dist.check model=resnet
+    python -m mnist_dist.check model._target_=my_pkg.models.MyNet ~model.dropout
+
+Arguments are Hydra overrides, as for ``python -m mnist_dist``: the model is built from the config, and
+``mode.*`` options (sync_batchnorm, find_unused_parameters, dp_block, split_at) and ``deterministic``
+count. It takes one step in every mode on random MNIST-shaped batches, ddp and torch_ddp on 2 CPU ranks
+with gloo, and prints one line per check: OK, WARN or FAIL, and why. Exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+from mnist_dist.config import Config, ConfigError, ModeConfig, describe_hydra_error, validate
+from mnist_dist.parallel import WorkerFailed, gradient_sync, plain_state_dict, spawn, unwrap, wrap_model
+
+RANKS = 2
+BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second on a CPU
+# Our DDP and torch DDP divide by the world size and then sum the same two tensors, so they agree to
+# rounding; a real difference (a gradient missed or averaged twice) is orders of magnitude larger.
+TOLERANCE = 1e-5
+BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+Line = tuple[str, str, str]  # status (OK, WARN, FAIL, SKIP), check, why
+
+
+def build(cfg: Config) -> nn.Module:
+    """The model the trainer would build: same seed, so the same weights on every rank."""
+    torch.manual_seed(cfg.seed)
+    return instantiate(cfg.model)
+
+
+def random_batch(seed: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 1, 28, 28, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Forward, backward and gradient sync, as the trainer's step does them."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    F.cross_entropy(logits, y.to(logits.device)).backward()
+    gradient_sync(model)()
+
+
+def names(items: list[str], most: int = 4) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def check_modes(cfg: Config) -> tuple[Line, list[str]]:
+    """One step in each single-process mode (their CPU equivalents); also returns the parameters that
+    got no gradient in single mode."""
+    variants = {
+        "single": ModeConfig(name="single"),
+        "dp": ModeConfig(name="dp"),
+        "dp_block": ModeConfig(name="dp", dp_block=cfg.mode.dp_block or "features"),
+        "dp_functional": ModeConfig(name="dp", dp_functional=True),
+        "split": ModeConfig(name="split", split_at=cfg.mode.split_at),
+    }
+    x, y = random_batch(0, RANKS * BATCH)
+    failed, unusable, unused = [], [], []
+    for name, mode in variants.items():
+        try:
+            model = wrap_model(build(cfg), mode, torch.device("cpu"))
+            step(model, x, y)
+        except ConfigError as error:  # dp_block and split need a submodule of that name
+            unusable.append(f"{name} ({error})")
+            continue
+        except Exception as error:
+            failed.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}")
+            continue
+        if name == "single":
+            unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if failed:
+        return ("FAIL", "modes", "; ".join(failed)), unused
+    if unusable:
+        return ("WARN", "modes", f"other modes took a step; not usable as configured: {'; '.join(unusable)}"), unused
+    return ("OK", "modes", f"{', '.join(variants)} took a step (ddp, torch_ddp below)"), unused
+
+
+def check_unused(cfg: Config, unused: list[str]) -> Line:
+    if not unused:
+        return "OK", "unused parameters", "every parameter that requires grad got a gradient"
+    why = f"{len(unused)} parameter(s) got no gradient: {names(unused)}"
+    if cfg.mode.find_unused_parameters:
+        return "WARN", "unused parameters", f"{why}; allowed by mode.find_unused_parameters=true, they never train"
+    return ("FAIL", "unused parameters", f"{why}; ddp stops with an error naming them. Use them in forward, "
+            "set requires_grad=False, or mode.find_unused_parameters=true")
+
+
+def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
+    layers = [name for name, module in model.named_modules() if isinstance(module, BATCHNORM)]
+    if not layers:
+        return "OK", "batchnorm", "no BatchNorm layers"
+    if cfg.mode.sync_batchnorm:
+        return "OK", "batchnorm", f"{len(layers)} BatchNorm layer(s) become SyncBatchNorm in ddp modes (CUDA only)"
+    share = cfg.batch_size // cfg.gpus
+    return ("WARN", "batchnorm", f"{len(layers)} BatchNorm layer(s) ({names(layers)}) normalise with each "
+            f"rank's share of the batch in ddp modes ({share} images at batch_size={cfg.batch_size}, "
+            f"gpus={cfg.gpus}), not the global batch: it rarely matters at 32 or more, it hurts below "
+            "about 16; mode.sync_batchnorm=true (CUDA) uses the global batch's statistics")
+
+
+def check_determinism(cfg: Config) -> Line:
+    """One optimizer step with deterministic kernels enforced: an op that has none raises, naming itself."""
+    if not cfg.deterministic:
+        return "SKIP", "determinism", "deterministic=false: runs need not repeat bit for bit"
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the trainer sets it
+    model = build(cfg).to(device)
+    optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
+    x, y = random_batch(0)
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)  # no warn_only (the trainer has it): such an op raises
+    try:
+        step(model, x.to(device), y.to(device))
+        optimizer.step()
+    except RuntimeError as error:
+        return ("FAIL", "determinism", f"{str(error).splitlines()[0]} (on {device.type}); with deterministic="
+                "true the trainer warns and runs would differ: replace the op or set deterministic=false")
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    return "OK", "determinism", f"one step with torch.use_deterministic_algorithms(True) on {device.type}"
+
+
+def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out: str) -> None:
+    """On each of the ranks: one step with our DDP and one with torch DDP, from the same weights and
+    data; rank 0 writes what it found to ``out``."""
+    torch.set_num_threads(1)  # the ranks share a small CPU
+    dist.init_process_group("gloo")
+    try:
+        x, y = random_batch(1 + rank)  # each rank its own data, as in training
+        mode = dataclasses.replace(cfg.mode, sync_batchnorm=False, find_unused_parameters=find_unused)
+        wrapped, grads = {}, {}
+        for name in ("ddp", "torch_ddp"):
+            wrapped[name] = wrap_model(build(cfg), dataclasses.replace(mode, name=name), torch.device("cpu"))
+            torch.manual_seed(cfg.seed + rank)  # the same dropout masks under both wrappers
+            step(wrapped[name], x, y)
+            grads[name] = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten()
+                                     for p in unwrap(wrapped[name]).parameters()])
+        difference = (grads["ddp"] - grads["torch_ddp"]).abs().max()
+        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+        # Buffers after one step: the wrappers broadcast rank 0's before each forward, which then
+        # updates each rank's copy from its own batch.
+        differing = []
+        for name, buffer in unwrap(wrapped["ddp"]).named_buffers():
+            reference = buffer.clone()
+            dist.broadcast(reference, src=0)
+            differs = torch.tensor(float(not torch.equal(buffer, reference)))
+            dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+            if differs.item():
+                differing.append(name)
+        if rank == 0:
+            report = {"difference": difference.item(), "differing": differing,
+                      "buffers": len(list(unwrap(wrapped["ddp"]).buffers()))}
+            for name, model in wrapped.items():
+                report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
+                report[f"{name}_naive"] = _load_error(build(cfg), model.state_dict())
+            Path(out).write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_error(model: nn.Module, state: dict) -> str:
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        return " ".join(str(error).split())
+    return ""
+
+
+def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch, "rank_0.json")
+        try:
+            spawn(_rank_checks, RANKS, cfg, find_unused, str(out))
+        except WorkerFailed as error:
+            return [("FAIL", "ddp", f"a step with our DDP or torch DDP failed: {error} (traceback above)")]
+        report = json.loads(out.read_text())
+    lines = []
+    if report["difference"] <= TOLERANCE:
+        lines.append(("OK", "ddp vs torch ddp", f"gradients agree within {report['difference']:.1e} "
+                      f"(tolerance {TOLERANCE:g}) on {RANKS} ranks"))
+    else:
+        lines.append(("FAIL", "ddp vs torch ddp", f"gradients differ by {report['difference']:.1e} "
+                      f"(tolerance {TOLERANCE:g}): our DDP does not average this model's gradients as "
+                      "torch DDP does"))
+    if report["differing"]:
+        lines.append(("WARN", "rank buffers", f"{len(report['differing'])} buffer(s) differ across ranks after "
+                      f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
+                      "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
+                      "evaluation runs on each rank's own and checkpoints hold rank 0's"))
+    else:
+        lines.append(("OK", "rank buffers", f"{report['buffers']} buffer(s), equal on every rank after a step"
+                      if report["buffers"] else "no buffers"))
+    failures = {name: report[f"{name}_plain"] for name in ("ddp", "torch_ddp") if report[f"{name}_plain"]}
+    if failures:
+        lines.append(("FAIL", "checkpoint", "plain_state_dict of the wrapped model does not load into a fresh "
+                      f"model: {'; '.join(f'{k}: {v}' for k, v in failures.items())}"))
+    else:
+        naive = "would not: its keys start with 'module.'" if report["ddp_naive"] else "would too"
+        lines.append(("OK", "checkpoint", "plain_state_dict(wrapped), which the trainer saves, loads into a "
+                      f"fresh model with no 'module.' prefix to strip; wrapped.state_dict() {naive}"))
+    return lines
+
+
+def run_checks(cfg: Config) -> list[Line]:
+    modes, unused = check_modes(cfg)
+    return [modes, check_unused(cfg, unused), check_batchnorm(cfg, build(cfg)), check_determinism(cfg),
+            *check_distributed(cfg, find_unused=bool(unused))]
+
+
+def main(argv: list[str]) -> int:
+    try:
+        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+            cfg: Config = OmegaConf.to_object(compose("config", overrides=argv))
+        validate(cfg)
+        parameters = sum(p.numel() for p in build(cfg).parameters())
+    except InstantiationException as error:
+        sys.exit(f"error: cannot build the model: {' '.join(str(error).split())}")
+    except HydraException as error:
+        sys.exit(f"error: {describe_hydra_error(error)}")
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    print(f"checking {cfg.model['_target_']} ({parameters:,} parameters): one step per mode on random "
+          f"batches of {BATCH} images per rank, ddp and torch_ddp on {RANKS} CPU ranks", flush=True)
+    lines = run_checks(cfg)
+    width = max(len(check) for _, check, _ in lines)
+    for status, check, why in lines:
+        print(f"{status:<5} {check:<{width}}  {why}")
+    counts = {status: sum(line[0] == status for line in lines) for status in ("FAIL", "WARN")}
+    print(f"{counts['FAIL']} FAIL, {counts['WARN']} WARN: " +
+          ("fix the FAILs before training" if counts["FAIL"] else "ready to train"))
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
