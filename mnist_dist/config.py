@@ -35,6 +35,7 @@ class ModeConfig:
     message_size: int = 1_000_000
     overlap: bool = True  # ddp: all-reduce while backward runs (false: only after it, for comparison)
     find_unused_parameters: bool = False  # ddp/torch_ddp: allow parameters that get no gradient
+    compress_bf16: bool = False  # ddp: gradients travel as bf16 (half the bytes), summed in fp32
     # ddp/torch_ddp: BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the
     # global batch instead of each rank's share, at the cost of a collective per layer in forward and
     # in backward. It matters when that share is small (below about 16 images; rarely at 32 or more),

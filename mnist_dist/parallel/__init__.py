@@ -63,6 +63,7 @@ def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device, gpus: i
             message_size=mode.message_size,
             overlap=mode.overlap,
             find_unused_parameters=mode.find_unused_parameters,
+            compress_bf16=mode.compress_bf16,
         )
     if mode.name == "torch_ddp":
         return TorchDDP(
