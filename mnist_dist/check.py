@@ -175,6 +175,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
                 report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
                 report[f"{name}_naive"] = _load_error(build(cfg), model.state_dict())
             Path(out).write_text(json.dumps(report))
+        dist.barrier()  # leave together: a peer that disconnects while rank 0 still works can abort it
     finally:
         dist.destroy_process_group()
 

@@ -154,6 +154,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                             ["test/accuracy", "test/loss", "results/images_per_s"])
             log.info("results: %s", results)
         if dist.is_initialized():
+            dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
             dist.destroy_process_group()
         return results
     except Exception:
