@@ -71,15 +71,16 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
         optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma)
+        precision = Precision(cfg.amp, torch_device)
         first_epoch, step = 1, 0
         if resumed:
             optimizer.load_state_dict(resumed["optimizer"])
             scheduler.load_state_dict(resumed["scheduler"])
+            precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
             first_epoch, step = resumed["epoch"] + 1, resumed["step"]
             checkpoint.restore_rng(resumed["rng"], rank)
             log.info("resuming %s at epoch %d, step %d", cfg.resume, first_epoch, step)
         finish_sync = gradient_sync(model)
-        precision = Precision(cfg.amp, torch_device)
         throughput = Throughput(torch_device, cfg.warmup_steps)
         timer = StepTimer(torch_device)
         steps = steps_per_epoch(len(train_x), cfg.batch_size)
@@ -126,7 +127,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                 scalars.add(step, **{"test/loss": test_loss, "test/accuracy": test_accuracy,
                                      "perf/epoch_time_s": epoch_seconds})
                 checkpoint.save({"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
-                                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+                                 "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(),
+                                 "epoch": epoch, "step": step,
                                  "rng": rng, "world_size": world_size, "config": config_yaml},
                                 run_dir / "checkpoint.pt")
             log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, test_loss,

@@ -26,6 +26,20 @@ def assert_same_weights(a, b):
     assert all(torch.equal(a[k], b[k]) for k in a), "weights differ"
 
 
+class TinyMLP(torch.nn.Sequential):
+    """fp16 convolutions take a slow reference path on a CPU: an MLP keeps the fp16 run short."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def test_checkpoint_carries_the_fp16_loss_scale(make_config, tmp_path):
+    run(make_config, tmp_path, "amp=fp16", "epochs=1", "batch_size=320",
+        "model._target_=test_reproducibility.TinyMLP", "~model.dropout")
+    scaler = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["scaler"]
+    assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 2  # two steps without an overflow
+
+
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
     # Dropout stays on: each rank's masks come from (seed, rank), so they repeat too.
