@@ -60,8 +60,12 @@ def worker(rank: int, world_size: int) -> None:
     # so every test sample counts once (no padding duplicates).
     share = eval_shard(len(test_x), rank, world_size)
     with torch.no_grad():
-        totals = torch.stack([F.mse_loss(model.module(test_x[share]), test_y[share], reduction="sum"),
-                              ((test_y[share] - test_y.mean()) ** 2).sum()])
+        totals = torch.stack(
+            [
+                F.mse_loss(model.module(test_x[share]), test_y[share], reduction="sum"),
+                ((test_y[share] - test_y.mean()) ** 2).sum(),
+            ]
+        )
     dist.all_reduce(totals)
     mse, variance = (totals / len(test_x)).tolist()
     # The replicas must still be identical: the same averaged gradients, the same steps.
@@ -71,11 +75,11 @@ def worker(rank: int, world_size: int) -> None:
     identical = torch.tensor(float(torch.equal(weights, reference)))
     dist.all_reduce(identical, op=dist.ReduceOp.MIN)
     if rank == 0:  # ADDED FOR DISTRIBUTED: one rank reports
-        print(f"test MSE {mse:.4f} (target variance {variance:.4f}), replicas identical: {bool(identical)}",
-              flush=True)
+        print(f"test MSE {mse:.4f} (target variance {variance:.4f}), replicas identical: {bool(identical)}", flush=True)
         if mse > variance / 10 or not identical:
-            raise RuntimeError(f"did not learn: test MSE {mse:.4f} is above {variance / 10:.4f}, "
-                               f"or the replicas differ")
+            raise RuntimeError(
+                f"did not learn: test MSE {mse:.4f} is above {variance / 10:.4f}, or the replicas differ"
+            )
     dist.destroy_process_group()
 
 

@@ -41,8 +41,10 @@ CASES = {
     "ddp_1_bucket": ["mode=ddp", "mode.message_size=10000000"],
     "ddp_per_param": ["mode=ddp", "mode.message_size=1"],
 }
-GROUPS = [["single", "classic", "ceiling", "single_bf16"],
-          ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param"]]
+GROUPS = [
+    ["single", "classic", "ceiling", "single_bf16"],
+    ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param"],
+]
 # (case, baseline, target ratio or None, what it answers)
 COMPARISONS = [
     ("single", "classic", 1.15, "resident data vs a DataLoader with per-sample transforms"),
@@ -68,38 +70,60 @@ def paired_ratio(case: list[float], baseline: list[float]) -> dict:
 def report(samples: dict[str, list[dict]]) -> dict:
     """The numbers behind the tables, from every run's measurement."""
     speed = {case: [run["images_per_s"] for run in runs] for case, runs in samples.items()}
-    cases = {case: {**summarize(values),
-                    "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case])}
-             for case, values in speed.items()}
+    cases = {
+        case: {**summarize(values), "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case])}
+        for case, values in speed.items()
+    }
     comparisons = []
     for case, baseline, target, question in COMPARISONS:
         if case in speed and baseline in speed:
             ratio = paired_ratio(speed[case], speed[baseline])
-            comparisons.append({"name": f"{case} / {baseline}", "question": question, "kind": "ratio",
-                                **ratio, "target": target,
-                                "met": None if target is None else ratio["median"] >= target})
+            comparisons.append(
+                {
+                    "name": f"{case} / {baseline}",
+                    "question": question,
+                    "kind": "ratio",
+                    **ratio,
+                    "target": target,
+                    "met": None if target is None else ratio["median"] >= target,
+                }
+            )
     if "ddp" in samples:
         shares = [run["step_time_ms"]["comm_wait"] / sum(run["step_time_ms"].values()) for run in samples["ddp"]]
-        comparisons.append({"name": "ddp: exposed communication", "kind": "share",
-                            "question": "time waiting for the all-reduce after backward / step time",
-                            **summarize(shares), "target": EXPOSED_COMM_TARGET,
-                            "met": statistics.median(shares) <= EXPOSED_COMM_TARGET})
+        comparisons.append(
+            {
+                "name": "ddp: exposed communication",
+                "kind": "share",
+                "question": "time waiting for the all-reduce after backward / step time",
+                **summarize(shares),
+                "target": EXPOSED_COMM_TARGET,
+                "met": statistics.median(shares) <= EXPOSED_COMM_TARGET,
+            }
+        )
     return {"cases": cases, "comparisons": comparisons}
 
 
 def markdown(result: dict, settings: dict) -> str:
-    lines = [f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
-             f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
-             "", "| case | images/s (median) | min – max | peak RSS per rank (MiB) |", "|---|---|---|---|"]
+    lines = [
+        f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
+        f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
+        "",
+        "| case | images/s (median) | min – max | peak RSS per rank (MiB) |",
+        "|---|---|---|---|",
+    ]
     for case, row in result["cases"].items():
-        lines.append(f"| {case} | {row['median']:,.0f} | {row['min']:,.0f} – {row['max']:,.0f} | "
-                     f"{row['peak_rss_mib']:,.0f} |")
+        lines.append(
+            f"| {case} | {row['median']:,.0f} | {row['min']:,.0f} – {row['max']:,.0f} | {row['peak_rss_mib']:,.0f} |"
+        )
     lines += ["", "| comparison | ratio (median) | min – max | target | met |", "|---|---|---|---|---|"]
     for row in result["comparisons"]:
         share = row["kind"] == "share"
         target = "" if row["target"] is None else (f"≤ {row['target']:.0%}" if share else f"≥ {row['target']:.2f}")
-        value = (f"{row['median']:.1%} | {row['min']:.1%} – {row['max']:.1%}" if share
-                 else f"{row['median']:.2f} | {row['min']:.2f} – {row['max']:.2f}")
+        value = (
+            f"{row['median']:.1%} | {row['min']:.1%} – {row['max']:.1%}"
+            if share
+            else f"{row['median']:.2f} | {row['min']:.2f} – {row['max']:.2f}"
+        )
         met = "" if row["met"] is None else ("yes" if row["met"] else "**no**")
         lines.append(f"| {row['name']} | {value} | {target} | {met} |")
     return "\n".join(lines) + "\n"
@@ -131,8 +155,12 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
     model = ConvNet()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     if case == "classic":  # pytorch/examples mnist, as people write it
-        dataset = datasets.MNIST(str(root), train=True, download=False, transform=transforms.Compose(
-            [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]))
+        dataset = datasets.MNIST(
+            str(root),
+            train=True,
+            download=False,
+            transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]),
+        )
         batches = iter(DataLoader(dataset, batch_size=batch, shuffle=True))
     else:
         resident = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
@@ -145,28 +173,54 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     seconds = time.perf_counter() - started
-    return {"images_per_s": steps * batch / seconds,
-            "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
+    return {
+        "images_per_s": steps * batch / seconds,
+        "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
+    }
 
 
 def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     base = [sys.executable, "-m", "mnist_dist.bench"]
     if CASES[case] is None:
-        command = [*base, "--measure", case, "--data", str(work / "data" / "MNIST" / "raw"),
-                   "--batch", str(settings["batch"]), "--steps", str(settings["steps"]),
-                   "--warmup", str(settings["warmup"])]
+        command = [
+            *base,
+            "--measure",
+            case,
+            "--data",
+            str(work / "data" / "MNIST" / "raw"),
+            "--batch",
+            str(settings["batch"]),
+            "--steps",
+            str(settings["steps"]),
+            "--warmup",
+            str(settings["warmup"]),
+        ]
         return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     run_dir = work / "runs" / f"{case}_{round_}"
-    command = [sys.executable, "-m", "mnist_dist", *CASES[case], f"gpus={settings['gpus']}",
-               f"device={settings['device']}", f"data.root={work / 'data'}", "data.mirrors=[]", "epochs=1",
-               f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}", "progress=false",
-               f"hydra.run.dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "mnist_dist",
+        *CASES[case],
+        f"gpus={settings['gpus']}",
+        f"device={settings['device']}",
+        f"data.root={work / 'data'}",
+        "data.mirrors=[]",
+        "epochs=1",
+        f"batch_size={settings['batch']}",
+        f"warmup_steps={settings['warmup']}",
+        "progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"bench: {case} failed: {result.stderr.strip().splitlines()[-1]}")
     results = json.loads((run_dir / "results.json").read_text())
-    return {"images_per_s": results["train_images_per_s"], "peak_rss_mib": results["peak_rss_mib"],
-            "step_time_ms": results["step_time_ms"]}
+    return {
+        "images_per_s": results["train_images_per_s"],
+        "peak_rss_mib": results["peak_rss_mib"],
+        "step_time_ms": results["step_time_ms"],
+    }
 
 
 def main() -> int:
@@ -200,14 +254,17 @@ def main() -> int:
         for round_ in range(args.repeats):
             for case in group:
                 samples[case].append(run_case(case, work, settings, round_))
-                print(f"round {round_ + 1}/{args.repeats} {case}: "
-                      f"{samples[case][-1]['images_per_s']:,.0f} images/s", flush=True)
+                print(
+                    f"round {round_ + 1}/{args.repeats} {case}: {samples[case][-1]['images_per_s']:,.0f} images/s",
+                    flush=True,
+                )
     result = report(samples)
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(result, settings)
     (args.out / "bench.md").write_text(table)
-    (args.out / "bench.json").write_text(json.dumps({"settings": settings, "samples": samples, **result},
-                                                    indent=2) + "\n")
+    (args.out / "bench.json").write_text(
+        json.dumps({"settings": settings, "samples": samples, **result}, indent=2) + "\n"
+    )
     chart(result, args.out / "bench.png")
     print("\n" + table + f"\nwrote {args.out}/bench.md, bench.json, bench.png")
     return 0

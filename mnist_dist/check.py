@@ -102,8 +102,12 @@ def check_unused(cfg: Config, unused: list[str]) -> Line:
     why = f"{len(unused)} parameter(s) got no gradient: {names(unused)}"
     if cfg.mode.find_unused_parameters:
         return "WARN", "unused parameters", f"{why}; allowed by mode.find_unused_parameters=true, they never train"
-    return ("FAIL", "unused parameters", f"{why}; ddp stops with an error naming them. Use them in forward, "
-            "set requires_grad=False, or mode.find_unused_parameters=true")
+    return (
+        "FAIL",
+        "unused parameters",
+        f"{why}; ddp stops with an error naming them. Use them in forward, "
+        "set requires_grad=False, or mode.find_unused_parameters=true",
+    )
 
 
 def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
@@ -113,10 +117,14 @@ def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
     if cfg.mode.sync_batchnorm:
         return "OK", "batchnorm", f"{len(layers)} BatchNorm layer(s) become SyncBatchNorm in ddp modes (CUDA only)"
     share = cfg.batch_size // cfg.gpus
-    return ("WARN", "batchnorm", f"{len(layers)} BatchNorm layer(s) ({names(layers)}) normalise with each "
-            f"rank's share of the batch in ddp modes ({share} images at batch_size={cfg.batch_size}, "
-            f"gpus={cfg.gpus}), not the global batch: it rarely matters at 32 or more, it hurts below "
-            "about 16; mode.sync_batchnorm=true (CUDA) uses the global batch's statistics")
+    return (
+        "WARN",
+        "batchnorm",
+        f"{len(layers)} BatchNorm layer(s) ({names(layers)}) normalise with each "
+        f"rank's share of the batch in ddp modes ({share} images at batch_size={cfg.batch_size}, "
+        f"gpus={cfg.gpus}), not the global batch: it rarely matters at 32 or more, it hurts below "
+        "about 16; mode.sync_batchnorm=true (CUDA) uses the global batch's statistics",
+    )
 
 
 def check_determinism(cfg: Config) -> Line:
@@ -134,8 +142,12 @@ def check_determinism(cfg: Config) -> Line:
         step(model, x.to(device), y.to(device))
         optimizer.step()
     except RuntimeError as error:
-        return ("FAIL", "determinism", f"{str(error).splitlines()[0]} (on {device.type}); with deterministic="
-                "true the trainer warns and runs would differ: replace the op or set deterministic=false")
+        return (
+            "FAIL",
+            "determinism",
+            f"{str(error).splitlines()[0]} (on {device.type}); with deterministic="
+            "true the trainer warns and runs would differ: replace the op or set deterministic=false",
+        )
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
     return "OK", "determinism", f"one step with torch.use_deterministic_algorithms(True) on {device.type}"
@@ -154,8 +166,12 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
             wrapped[name] = wrap_model(build(cfg), dataclasses.replace(mode, name=name), torch.device("cpu"))
             torch.manual_seed(cfg.seed + rank)  # the same dropout masks under both wrappers
             step(wrapped[name], x, y)
-            grads[name] = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten()
-                                     for p in unwrap(wrapped[name]).parameters()])
+            grads[name] = torch.cat(
+                [
+                    torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten()
+                    for p in unwrap(wrapped[name]).parameters()
+                ]
+            )
         difference = (grads["ddp"] - grads["torch_ddp"]).abs().max()
         dist.all_reduce(difference, op=dist.ReduceOp.MAX)
         # Buffers after one step: the wrappers broadcast rank 0's before each forward, which then
@@ -169,8 +185,11 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
             if differs.item():
                 differing.append(name)
         if rank == 0:
-            report = {"difference": difference.item(), "differing": differing,
-                      "buffers": len(list(unwrap(wrapped["ddp"]).buffers()))}
+            report = {
+                "difference": difference.item(),
+                "differing": differing,
+                "buffers": len(list(unwrap(wrapped["ddp"]).buffers())),
+            }
             for name, model in wrapped.items():
                 report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
                 report[f"{name}_naive"] = _load_error(build(cfg), model.state_dict())
@@ -198,35 +217,76 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
         report = json.loads(out.read_text())
     lines = []
     if report["difference"] <= TOLERANCE:
-        lines.append(("OK", "ddp vs torch ddp", f"gradients agree within {report['difference']:.1e} "
-                      f"(tolerance {TOLERANCE:g}) on {RANKS} ranks"))
+        lines.append(
+            (
+                "OK",
+                "ddp vs torch ddp",
+                f"gradients agree within {report['difference']:.1e} (tolerance {TOLERANCE:g}) on {RANKS} ranks",
+            )
+        )
     else:
-        lines.append(("FAIL", "ddp vs torch ddp", f"gradients differ by {report['difference']:.1e} "
-                      f"(tolerance {TOLERANCE:g}): our DDP does not average this model's gradients as "
-                      "torch DDP does"))
+        lines.append(
+            (
+                "FAIL",
+                "ddp vs torch ddp",
+                f"gradients differ by {report['difference']:.1e} "
+                f"(tolerance {TOLERANCE:g}): our DDP does not average this model's gradients as "
+                "torch DDP does",
+            )
+        )
     if report["differing"]:
-        lines.append(("WARN", "rank buffers", f"{len(report['differing'])} buffer(s) differ across ranks after "
-                      f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
-                      "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
-                      "evaluation runs on each rank's own and checkpoints hold rank 0's"))
+        lines.append(
+            (
+                "WARN",
+                "rank buffers",
+                f"{len(report['differing'])} buffer(s) differ across ranks after "
+                f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
+                "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
+                "evaluation runs on each rank's own and checkpoints hold rank 0's",
+            )
+        )
     else:
-        lines.append(("OK", "rank buffers", f"{report['buffers']} buffer(s), equal on every rank after a step"
-                      if report["buffers"] else "no buffers"))
+        lines.append(
+            (
+                "OK",
+                "rank buffers",
+                f"{report['buffers']} buffer(s), equal on every rank after a step"
+                if report["buffers"]
+                else "no buffers",
+            )
+        )
     failures = {name: report[f"{name}_plain"] for name in ("ddp", "torch_ddp") if report[f"{name}_plain"]}
     if failures:
-        lines.append(("FAIL", "checkpoint", "plain_state_dict of the wrapped model does not load into a fresh "
-                      f"model: {'; '.join(f'{k}: {v}' for k, v in failures.items())}"))
+        lines.append(
+            (
+                "FAIL",
+                "checkpoint",
+                "plain_state_dict of the wrapped model does not load into a fresh "
+                f"model: {'; '.join(f'{k}: {v}' for k, v in failures.items())}",
+            )
+        )
     else:
         naive = "would not: its keys start with 'module.'" if report["ddp_naive"] else "would too"
-        lines.append(("OK", "checkpoint", "plain_state_dict(wrapped), which the trainer saves, loads into a "
-                      f"fresh model with no 'module.' prefix to strip; wrapped.state_dict() {naive}"))
+        lines.append(
+            (
+                "OK",
+                "checkpoint",
+                "plain_state_dict(wrapped), which the trainer saves, loads into a "
+                f"fresh model with no 'module.' prefix to strip; wrapped.state_dict() {naive}",
+            )
+        )
     return lines
 
 
 def run_checks(cfg: Config) -> list[Line]:
     modes, unused = check_modes(cfg)
-    return [modes, check_unused(cfg, unused), check_batchnorm(cfg, build(cfg)), check_determinism(cfg),
-            *check_distributed(cfg, find_unused=bool(unused))]
+    return [
+        modes,
+        check_unused(cfg, unused),
+        check_batchnorm(cfg, build(cfg)),
+        check_determinism(cfg),
+        *check_distributed(cfg, find_unused=bool(unused)),
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -241,15 +301,20 @@ def main(argv: list[str]) -> int:
         sys.exit(f"error: {describe_hydra_error(error)}")
     except ConfigError as error:
         sys.exit(f"error: {error}")
-    print(f"checking {cfg.model['_target_']} ({parameters:,} parameters): one step per mode on random "
-          f"batches of {BATCH} images per rank, ddp and torch_ddp on {RANKS} CPU ranks", flush=True)
+    print(
+        f"checking {cfg.model['_target_']} ({parameters:,} parameters): one step per mode on random "
+        f"batches of {BATCH} images per rank, ddp and torch_ddp on {RANKS} CPU ranks",
+        flush=True,
+    )
     lines = run_checks(cfg)
     width = max(len(check) for _, check, _ in lines)
     for status, check, why in lines:
         print(f"{status:<5} {check:<{width}}  {why}")
     counts = {status: sum(line[0] == status for line in lines) for status in ("FAIL", "WARN")}
-    print(f"{counts['FAIL']} FAIL, {counts['WARN']} WARN: " +
-          ("fix the FAILs before training" if counts["FAIL"] else "ready to train"))
+    print(
+        f"{counts['FAIL']} FAIL, {counts['WARN']} WARN: "
+        + ("fix the FAILs before training" if counts["FAIL"] else "ready to train")
+    )
     return 1 if counts["FAIL"] else 0
 
 

@@ -48,8 +48,9 @@ def locate(resume: str) -> Path:
     if path.is_dir():
         path = path / "checkpoint.pt"
     if not path.is_file():
-        raise ConfigError(f"resume={resume}: no checkpoint there; pass a run directory that holds "
-                          "checkpoint.pt, or the file itself")
+        raise ConfigError(
+            f"resume={resume}: no checkpoint there; pass a run directory that holds checkpoint.pt, or the file itself"
+        )
     return path
 
 
@@ -57,35 +58,49 @@ def load(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # truncated, not a checkpoint, unreadable: all mean the same to the user
-        raise ConfigError(f"resume={path}: cannot read the checkpoint ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else 'no detail'})") from None
+        raise ConfigError(
+            f"resume={path}: cannot read the checkpoint ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'no detail'})"
+        ) from None
     if not isinstance(state, dict) or not {"model", "optimizer", "epoch", "rng"} <= state.keys():
-        raise ConfigError(f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; "
-                          "resume from checkpoint.pt)")
+        raise ConfigError(
+            f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)"
+        )
     return state
 
 
 def check_resumable(state: dict, cfg: Config) -> None:
     """Refuses to continue a run with a different model, global batch or world size, unless told to."""
     saved = OmegaConf.create(state["config"])
-    changes = [f"{key} {before} -> {after}" for key, before, after in (
-        ("model", OmegaConf.to_container(saved.model), cfg.model),
-        ("batch_size", saved.batch_size, cfg.batch_size),
-        ("world_size", state["world_size"], world_size(cfg)),
-        ("data", saved.data.name, cfg.data.name),
-    ) if before != after]
+    changes = [
+        f"{key} {before} -> {after}"
+        for key, before, after in (
+            ("model", OmegaConf.to_container(saved.model), cfg.model),
+            ("batch_size", saved.batch_size, cfg.batch_size),
+            ("world_size", state["world_size"], world_size(cfg)),
+            ("data", saved.data.name, cfg.data.name),
+        )
+        if before != after
+    ]
     if changes and not cfg.resume_allow_changes:
-        raise ConfigError(f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
-                          "use the same settings, or resume_allow_changes=true if that is intended")
+        raise ConfigError(
+            f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
+            "use the same settings, or resume_allow_changes=true if that is intended"
+        )
     if state["epoch"] >= cfg.epochs:
-        raise ConfigError(f"resume: the checkpoint has finished epoch {state['epoch']} of {cfg.epochs}; "
-                          f"pass epochs={state['epoch'] + 1} or more to train further")
+        raise ConfigError(
+            f"resume: the checkpoint has finished epoch {state['epoch']} of {cfg.epochs}; "
+            f"pass epochs={state['epoch'] + 1} or more to train further"
+        )
 
 
 def rng_states_of_all_ranks() -> list[dict]:
     """Every rank's generators (Python, torch CPU, CUDA), by rank: dropout continues as if never stopped."""
-    mine = {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+    mine = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+    }
     if not dist.is_initialized():
         return [mine]
     everyone = [None] * dist.get_world_size()

@@ -47,40 +47,58 @@ def loss_curve(run_dir: Path) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars("train/loss_global")}
 
 
-def compare(results: dict[str, dict], curves: dict[str, dict[int, float]], tolerance: float,
-            early_tolerance: float) -> dict:
+def compare(
+    results: dict[str, dict], curves: dict[str, dict[int, float]], tolerance: float, early_tolerance: float
+) -> dict:
     """The table's rows and the verdict; the first mode is the reference."""
     reference = next(iter(curves.values()))
     first_step = min(reference)
     rows = []
     for mode, result in results.items():
         shared = sorted(set(curves[mode]) & set(reference))
-        rows.append({
-            "mode": mode, "world_size": result["world_size"], "test_accuracy": result["test_accuracy"],
-            "final_loss": curves[mode][max(curves[mode])],
-            "first_step_loss_diff": abs(curves[mode][first_step] - reference[first_step]),
-            "max_loss_diff": max(abs(curves[mode][s] - reference[s]) for s in shared),
-            "images_per_s": result["train_images_per_s"],
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "world_size": result["world_size"],
+                "test_accuracy": result["test_accuracy"],
+                "final_loss": curves[mode][max(curves[mode])],
+                "first_step_loss_diff": abs(curves[mode][first_step] - reference[first_step]),
+                "max_loss_diff": max(abs(curves[mode][s] - reference[s]) for s in shared),
+                "images_per_s": result["train_images_per_s"],
+            }
+        )
     early = max(rows, key=lambda row: row["first_step_loss_diff"])
     late = max(rows, key=lambda row: row["max_loss_diff"])
     agree = early["first_step_loss_diff"] <= early_tolerance and late["max_loss_diff"] <= tolerance
-    verdict = (f"{'modes agree' if agree else 'MODES DISAGREE'} with {rows[0]['mode']}: training loss "
-               f"within {early['first_step_loss_diff']:.1e} at step {first_step} (tolerance "
-               f"{early_tolerance:g}, {early['mode']}) and within {late['max_loss_diff']:.1e} over the "
-               f"run (tolerance {tolerance:g}, {late['mode']})")
-    return {"rows": rows, "agree": agree, "verdict": verdict, "first_step": first_step,
-            "tolerance": tolerance, "early_tolerance": early_tolerance}
+    verdict = (
+        f"{'modes agree' if agree else 'MODES DISAGREE'} with {rows[0]['mode']}: training loss "
+        f"within {early['first_step_loss_diff']:.1e} at step {first_step} (tolerance "
+        f"{early_tolerance:g}, {early['mode']}) and within {late['max_loss_diff']:.1e} over the "
+        f"run (tolerance {tolerance:g}, {late['mode']})"
+    )
+    return {
+        "rows": rows,
+        "agree": agree,
+        "verdict": verdict,
+        "first_step": first_step,
+        "tolerance": tolerance,
+        "early_tolerance": early_tolerance,
+    }
 
 
 def markdown(report: dict) -> str:
     reference = report["rows"][0]["mode"]
-    lines = [f"| mode | world size | test accuracy | final loss | Δloss at step {report['first_step']} | "
-             f"max Δloss | images/s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| mode | world size | test accuracy | final loss | Δloss at step {report['first_step']} | "
+        f"max Δloss | images/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
-        lines.append(f"| {row['mode']} | {row['world_size']} | {100 * row['test_accuracy']:.2f} % | "
-                     f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | "
-                     f"{row['max_loss_diff']:.1e} | {row['images_per_s']:,.0f} |")
+        lines.append(
+            f"| {row['mode']} | {row['world_size']} | {100 * row['test_accuracy']:.2f} % | "
+            f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | "
+            f"{row['max_loss_diff']:.1e} | {row['images_per_s']:,.0f} |"
+        )
     return "\n".join(lines) + f"\n\nΔloss: training-loss difference from {reference}. {report['verdict']}\n"
 
 
@@ -89,8 +107,9 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
     for (mode, curve), style in zip(curves.items(), ["-", "--", ":", "-."] * 3):
         # Agreeing modes lie on top of each other: a line style each keeps every one visible.
         losses.plot(list(curve), list(curve.values()), style, label=mode, linewidth=1.2)
-    losses.set(xlabel="optimizer step (same global batch in every mode)", ylabel="training loss",
-               yscale="log", title="loss")
+    losses.set(
+        xlabel="optimizer step (same global batch in every mode)", ylabel="training loss", yscale="log", title="loss"
+    )
     losses.legend()
     modes = [row["mode"] for row in report["rows"]]
     speed.bar(modes, [row["images_per_s"] for row in report["rows"]], color="tab:blue")
@@ -101,8 +120,7 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
 
 
 def main(argv: list[str]) -> int:
-    options = {"modes": DEFAULT_MODES, "tolerance": DEFAULT_TOLERANCE,
-               "early_tolerance": DEFAULT_EARLY_TOLERANCE}
+    options = {"modes": DEFAULT_MODES, "tolerance": DEFAULT_TOLERANCE, "early_tolerance": DEFAULT_EARLY_TOLERANCE}
     overrides = []
     for arg in argv:
         key, _, value = arg.partition("=")

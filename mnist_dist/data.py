@@ -75,8 +75,9 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                     f"there, or delete both to fetch them again"
                 )
             if n_images != standard:
-                log.warning("%s %s split has %d examples, not the standard %d (a subset?)",
-                            name, prefix, n_images, standard)
+                log.warning(
+                    "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard
+                )
     return raw
 
 
@@ -84,12 +85,15 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
     """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` validated them."""
     prefix = "train" if train else "t10k"
     raw = Path(raw_dir)
-    return (read_image_file(str(raw / f"{prefix}-images-idx3-ubyte")),
-            read_label_file(str(raw / f"{prefix}-labels-idx1-ubyte")))
+    return (
+        read_image_file(str(raw / f"{prefix}-images-idx3-ubyte")),
+        read_label_file(str(raw / f"{prefix}-labels-idx1-ubyte")),
+    )
 
 
-def to_device_tensors(images: torch.Tensor, labels: torch.Tensor, mean: float, std: float,
-                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device_tensors(
+    images: torch.Tensor, labels: torch.Tensor, mean: float, std: float, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`.
 
     The uint8 tensor is moved first: a quarter of the bytes to copy, and the conversion runs on the
@@ -119,12 +123,12 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
     local_gz = [str(raw)] if (raw / gz_name).is_file() else []
     for source in [*local_gz, *mirrors]:
         try:
-            with _fetch(source, gz_name, md5 if source.rstrip("/") in official else None, raw) as src:
-                with _atomic(dest) as tmp:
-                    opener = gzip.open if src.suffix == ".gz" else open
-                    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
-                        shutil.copyfileobj(fin, fout)
-                    count = _check_idx(tmp, images)
+            checked_md5 = md5 if source.rstrip("/") in official else None
+            with _fetch(source, gz_name, checked_md5, raw) as src, _atomic(dest) as tmp:
+                opener = gzip.open if src.suffix == ".gz" else open
+                with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                count = _check_idx(tmp, images)
             log.info("%s: got %s from %s", name, dest.name, source)
             return count
         except _SOURCE_ERRORS as e:
@@ -132,8 +136,11 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
             tried.append(f"{source} ({' '.join(reason.split())})")  # one line, whatever e says
             if source in local_gz:
                 (raw / gz_name).unlink()  # a bad .gz of ours would only fail again next time
-    debian = (" (Debian: apt-get install dataset-fashion-mnist; "
-              "data.mirrors=[/usr/share/datasets/fashion-mnist])" if cls is FashionMNIST else "")
+    debian = (
+        " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
+        if cls is FashionMNIST
+        else ""
+    )
     raise DataError(
         f"could not get {gz_name} for {name}: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
         f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"

@@ -41,9 +41,12 @@ def resolve_device(cfg: Config) -> str:
     if cfg.device == "cpu" or (cfg.device == "auto" and visible == 0):
         return "cpu"
     if visible < needed:
-        raise ConfigError(f"device={cfg.device} needs {needed} CUDA device(s) for gpus={cfg.gpus} but "
-                          f"{visible} are visible; use gpus={visible} or device=cpu" if visible else
-                          f"device={cfg.device} but no CUDA device is visible; use device=cpu or device=auto")
+        raise ConfigError(
+            f"device={cfg.device} needs {needed} CUDA device(s) for gpus={cfg.gpus} but "
+            f"{visible} are visible; use gpus={visible} or device=cpu"
+            if visible
+            else f"device={cfg.device} but no CUDA device is visible; use device=cpu or device=auto"
+        )
     return "cuda"
 
 
@@ -63,14 +66,16 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
     if device == "cpu" and cfg.device == "auto" and distributed:
         log.info("no CUDA device: running %d CPU workers with gloo", cfg.gpus)
     elif device == "cpu" and cfg.device == "auto" and cfg.mode.name in ("dp", "split"):
-        log.info("no CUDA device: mode=%s runs its CPU equivalent in one process (DataParallel "
-                 "passes the whole batch through; split keeps both parts on the CPU)", cfg.mode.name)
+        log.info(
+            "no CUDA device: mode=%s runs its CPU equivalent in one process (DataParallel "
+            "passes the whole batch through; split keeps both parts on the CPU)",
+            cfg.mode.name,
+        )
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     if not distributed:
         return train(cfg, run_dir, data_dir, device)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
-    spawn(_spawned_worker, world_size(cfg), cfg, run_dir, data_dir, device, log_dir=run_dir,
-          port=cfg.dist.port)
+    spawn(_spawned_worker, world_size(cfg), cfg, run_dir, data_dir, device, log_dir=run_dir, port=cfg.dist.port)
     return None
 
 
@@ -83,15 +88,15 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if cfg.mode.name not in DISTRIBUTED_MODES:
-        raise ConfigError(f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; "
-                          "use mode=ddp or mode=torch_ddp")
+        raise ConfigError(
+            f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp or mode=torch_ddp"
+        )
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     _check_sync_batchnorm(cfg, device)
     _share_cpu(device, local_size)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            timeout=timedelta(seconds=cfg.dist.timeout_s))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
     # Only rank 0 had Hydra create a run directory (see __main__): everyone writes there.
     shared = [str(run_dir)]
     dist.broadcast_object_list(shared, src=0)
@@ -99,8 +104,9 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     if local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
-    return train(cfg, run_dir, raw_dir(cfg.data.name, data_root(cfg)), device, rank=rank,
-                 world_size=size, local_rank=local_rank)
+    return train(
+        cfg, run_dir, raw_dir(cfg.data.name, data_root(cfg)), device, rank=rank, world_size=size, local_rank=local_rank
+    )
 
 
 def _share_cpu(device: str, processes: int) -> None:
@@ -113,8 +119,10 @@ def _check_sync_batchnorm(cfg: Config, device: str) -> None:
     # torch's SyncBatchNorm all-reduces its statistics only for accelerator tensors: on CPU its forward
     # raises and torch DDP refuses it, so say so before anything starts.
     if cfg.mode.sync_batchnorm and device == "cpu" and cfg.mode.name in DISTRIBUTED_MODES:
-        raise ConfigError("mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on CPU "
-                          "tensors; use mode.sync_batchnorm=false on CPU")
+        raise ConfigError(
+            "mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on CPU "
+            "tensors; use mode.sync_batchnorm=false on CPU"
+        )
 
 
 def _check_port(port: int) -> None:
@@ -122,5 +130,4 @@ def _check_port(port: int) -> None:
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError(f"dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a "
-                              "free one") from None
+            raise ConfigError(f"dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one") from None

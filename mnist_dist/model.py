@@ -14,14 +14,17 @@ class ConvNet(nn.Module):
     def __init__(self, dropout: bool = True) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3), nn.ReLU(),
-            nn.Conv2d(32, 64, 3), nn.ReLU(),
+            nn.Conv2d(1, 32, 3),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3),
+            nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Dropout(0.25 if dropout else 0.0),
             nn.Flatten(),
         )
         self.classifier = nn.Sequential(
-            nn.Linear(9216, 128), nn.ReLU(),
+            nn.Linear(9216, 128),
+            nn.ReLU(),
             nn.Dropout(0.5 if dropout else 0.0),
             nn.Linear(128, 10),
         )
@@ -37,12 +40,18 @@ class ResidualBlock(nn.Module):
         super().__init__()
         self.body = nn.Sequential(
             nn.Conv2d(channels_in, channels_out, 3, stride, padding=1, bias=False),
-            nn.BatchNorm2d(channels_out), nn.ReLU(),
+            nn.BatchNorm2d(channels_out),
+            nn.ReLU(),
             nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False),
             nn.BatchNorm2d(channels_out),
         )
-        self.shortcut = nn.Identity() if stride == 1 and channels_in == channels_out else nn.Sequential(
-            nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out))
+        self.shortcut = (
+            nn.Identity()
+            if stride == 1 and channels_in == channels_out
+            else nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return (self.body(x) + self.shortcut(x)).relu()
@@ -60,7 +69,9 @@ class ResNet(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(1, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
             ResidualBlock(width, width),
             ResidualBlock(width, 2 * width, stride=2),
             ResidualBlock(2 * width, 4 * width, stride=2),

@@ -23,7 +23,9 @@ def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -
             row, col = divmod(label, 4)
             images[i, 2 + 8 * row : 8 + 8 * row, 2 + 7 * col : 7 + 7 * col] = 255
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
-            struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes())
+            struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes()
+        )
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
-            struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes())
+            struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes()
+        )
     return raw

@@ -36,8 +36,9 @@ log = logging.getLogger("mnist_dist")
 tqdm.set_lock(threading.RLock())
 
 
-def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
-          world_size: int = 1, local_rank: int = 0) -> dict:
+def train(
+    cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0, world_size: int = 1, local_rank: int = 0
+) -> dict:
     """Trains and evaluates; rank 0 writes checkpoints and results.json. Returns the results."""
     # --- setup -------------------------------------------------------------------------------
     started = time.perf_counter()
@@ -52,10 +53,10 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         (run_dir / "config.yaml").write_text(config_yaml)
     try:
         # --- build ---------------------------------------------------------------------------
-        train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean,
-                                             cfg.data.std, torch_device)
-        test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean,
-                                           cfg.data.std, torch_device)
+        train_x, train_y = to_device_tensors(
+            *load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, torch_device
+        )
+        test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, torch_device)
         if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
             train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
         torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
@@ -85,8 +86,15 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
         timer = StepTimer(torch_device)
         steps = steps_per_epoch(len(train_x), cfg.batch_size)
         local_batch = cfg.batch_size // world_size
-        log.info("%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
-                 cfg.mode.name, device, world_size, cfg.batch_size, local_batch, steps)
+        log.info(
+            "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
+            cfg.mode.name,
+            device,
+            world_size,
+            cfg.batch_size,
+            local_batch,
+            steps,
+        )
 
         # --- loop ----------------------------------------------------------------------------
         for epoch in range(first_epoch, cfg.epochs + 1):
@@ -94,9 +102,13 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
             model.train()
             order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
             window_losses = []  # kept on the device: no sync per step
-            bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False,
-                       disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=steps,
+                desc=f"epoch {epoch}/{cfg.epochs}",
+                leave=False,
+                disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
+                dynamic_ncols=True,
+            )
             for indices in rank_batches(order, cfg.batch_size, rank, world_size):
                 step += 1
                 timer.start(sample=step % cfg.log_every == 0)  # the last step of each window is timed
@@ -107,8 +119,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
                 throughput.step(len(indices))
                 if step % cfg.log_every == 0:
                     loss_value = check_finite(torch.stack(window_losses), step, rank).mean().item()
-                    log_window(scalars, throughput, timer, step, rank, loss_value,
-                               optimizer.param_groups[0]["lr"], bar)
+                    log_window(scalars, throughput, timer, step, rank, loss_value, optimizer.param_groups[0]["lr"], bar)
                     window_losses = []
                 bar.update()
             if window_losses:  # the epoch's last steps, short of a full window
@@ -118,42 +129,71 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0,
 
             # --- evaluate --------------------------------------------------------------------
             with precision.autocast():
-                test_loss, test_accuracy = evaluate(unwrap(model), test_x, test_y, cfg.test_batch_size,
-                                                    rank, world_size)
+                test_loss, test_accuracy = evaluate(
+                    unwrap(model), test_x, test_y, cfg.test_batch_size, rank, world_size
+                )
             scheduler.step()
             epoch_seconds = time.perf_counter() - epoch_started
             rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
             if rank == 0:
-                scalars.add(step, **{"test/loss": test_loss, "test/accuracy": test_accuracy,
-                                     "perf/epoch_time_s": epoch_seconds})
-                checkpoint.save({"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
-                                 "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(),
-                                 "epoch": epoch, "step": step,
-                                 "rng": rng, "world_size": world_size, "config": config_yaml},
-                                run_dir / "checkpoint.pt")
-            log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, test_loss,
-                     100 * test_accuracy, epoch_seconds)
+                scalars.add(
+                    step, **{"test/loss": test_loss, "test/accuracy": test_accuracy, "perf/epoch_time_s": epoch_seconds}
+                )
+                checkpoint.save(
+                    {
+                        "model": plain_state_dict(model),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": precision.scaler.state_dict(),
+                        "epoch": epoch,
+                        "step": step,
+                        "rng": rng,
+                        "world_size": world_size,
+                        "config": config_yaml,
+                    },
+                    run_dir / "checkpoint.pt",
+                )
+            log.info(
+                "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
+                epoch,
+                test_loss,
+                100 * test_accuracy,
+                epoch_seconds,
+            )
 
         # --- tear down -----------------------------------------------------------------------
         images, seconds = all_reduce([throughput.total_images, throughput.total_seconds])
         results = {
-            "mode": cfg.mode.name, "world_size": world_size, "device": device, "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size, "test_accuracy": test_accuracy, "test_loss": test_loss,
+            "mode": cfg.mode.name,
+            "world_size": world_size,
+            "device": device,
+            "epochs": cfg.epochs,
+            "batch_size": cfg.batch_size,
+            "test_accuracy": test_accuracy,
+            "test_loss": test_loss,
             # All ranks step together, so the sum of their images over the mean time is the global rate.
             "train_images_per_s": images / (seconds / world_size) if seconds else 0.0,
             "wall_time_s": time.perf_counter() - started,
             "step_time_ms": timer.means_ms(),  # rank 0's, from the sampled steps
             "peak_rss_mib": per_rank(peak_rss_mib(), rank, world_size),
             "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20, rank, world_size)
-            if torch_device.type == "cuda" else None,
+            if torch_device.type == "cuda"
+            else None,
         }
         if rank == 0:
             checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
             checkpoint.save_json(results, run_dir / "results.json")
             scalars.add(step, **{"results/images_per_s": results["train_images_per_s"]})
-            scalars.hparams({"mode": cfg.mode.name, "world_size": world_size, "batch_size": cfg.batch_size,
-                             "lr": cfg.optim.lr, "seed": cfg.seed},
-                            ["test/accuracy", "test/loss", "results/images_per_s"])
+            scalars.hparams(
+                {
+                    "mode": cfg.mode.name,
+                    "world_size": world_size,
+                    "batch_size": cfg.batch_size,
+                    "lr": cfg.optim.lr,
+                    "seed": cfg.seed,
+                },
+                ["test/accuracy", "test/loss", "results/images_per_s"],
+            )
             log.info("results: %s", results)
         if dist.is_initialized():
             dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
@@ -177,9 +217,11 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     bad = (~torch.isfinite(losses)).nonzero()
     if len(bad):
         first = bad[0].item()
-        raise TrainingDiverged(f"the training loss is {losses[first].item()} at step "
-                               f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
-                               "data, or resume from the last checkpoint")
+        raise TrainingDiverged(
+            f"the training loss is {losses[first].item()} at step "
+            f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
+            "data, or resume from the last checkpoint"
+        )
     return losses
 
 
@@ -219,8 +261,9 @@ def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[
     return loss_sum / len(x), correct / len(x)
 
 
-def log_window(scalars: Scalars, throughput: Throughput, timer: StepTimer, step: int, rank: int,
-               loss: float, lr: float, bar: tqdm) -> None:
+def log_window(
+    scalars: Scalars, throughput: Throughput, timer: StepTimer, step: int, rank: int, loss: float, lr: float, bar: tqdm
+) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
     window = throughput.lap()
     images, seconds = window or (0, 0.0)
@@ -234,8 +277,7 @@ def log_window(scalars: Scalars, throughput: Throughput, timer: StepTimer, step:
         tags.update({"train/loss_global": global_loss / world_size, "train/lr": lr})
         if slowest:
             tags["perf/images_per_s_global"] = global_images / slowest
-        bar.set_postfix(loss=f"{global_loss / world_size:.4f}",
-                        img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
+        bar.set_postfix(loss=f"{global_loss / world_size:.4f}", img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
     scalars.add(step, **tags)
 
 
@@ -277,6 +319,10 @@ def setup_process(cfg: Config, device: str, rank: int, world_size: int, local_ra
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     if cfg.mode.name in DISTRIBUTED_MODES and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.dist.timeout_s))
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=cfg.dist.timeout_s),
+        )
     return torch_device

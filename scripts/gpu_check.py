@@ -46,15 +46,34 @@ def main() -> int:
     batch = 128 // gpus * gpus
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=args.train_images, n_test=2_000)
-    modes = {"single": 1, "dp": gpus, "dp_block": gpus, "dp_functional": gpus, "split": min(gpus, 2),
-             "ddp": gpus, "torch_ddp": gpus}
+    modes = {
+        "single": 1,
+        "dp": gpus,
+        "dp_block": gpus,
+        "dp_functional": gpus,
+        "split": min(gpus, 2),
+        "ddp": gpus,
+        "torch_ddp": gpus,
+    }
     rows, curves, failed = [], {}, []
     for mode, mode_gpus in modes.items():
         run_dir = work / "runs" / mode
-        command = [sys.executable, "-m", "mnist_dist", f"mode={mode}", f"gpus={mode_gpus}",
-                   f"device={args.device}", f"data.root={work / 'data'}", "data.mirrors=[]",
-                   f"epochs={args.epochs}", f"batch_size={batch}", "model.dropout=false", "log_every=1",
-                   "progress=false", f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            "-m",
+            "mnist_dist",
+            f"mode={mode}",
+            f"gpus={mode_gpus}",
+            f"device={args.device}",
+            f"data.root={work / 'data'}",
+            "data.mirrors=[]",
+            f"epochs={args.epochs}",
+            f"batch_size={batch}",
+            "model.dropout=false",
+            "log_every=1",
+            "progress=false",
+            f"hydra.run.dir={run_dir}",
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             failed.append(f"{mode}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
@@ -69,10 +88,14 @@ def main() -> int:
             reference = torch.tensor(curves["single"][:AGREE_STEPS])
             worst = ((ours - reference).abs() / reference.abs()).max().item()
             if worst > TOLERANCE:
-                failed.append(f"{mode}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
-                              f"within the first {AGREE_STEPS} steps")
-    print(f"\n{args.device}, {gpus} device(s), global batch {batch}, {args.epochs} epoch(s) of "
-          f"{args.train_images} generated images\n")
+                failed.append(
+                    f"{mode}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
+                    f"within the first {AGREE_STEPS} steps"
+                )
+    print(
+        f"\n{args.device}, {gpus} device(s), global batch {batch}, {args.epochs} epoch(s) of "
+        f"{args.train_images} generated images\n"
+    )
     print("| mode | devices | images/s | final loss |\n|---|---|---|---|")
     for mode, mode_gpus, speed, loss in rows:
         print(f"| {mode} | {mode_gpus} | {speed:,.0f} | {loss:.4f} |")

@@ -28,8 +28,7 @@ def tiny_root(tmp_path_factory) -> Path:
 def compose_config(data_root: Path, *overrides: str):
     """The Config the CLI would run with these overrides, on the data in ``data_root``, no bar."""
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[f"data.root={data_root}", "data.mirrors=[]",
-                                           "progress=false", *overrides])
+        cfg = compose("config", overrides=[f"data.root={data_root}", "data.mirrors=[]", "progress=false", *overrides])
     return OmegaConf.to_object(cfg)
 
 

@@ -15,8 +15,16 @@ class FailingConvNet(ConvNet):
     by SIGKILL, or with ``nan`` return NaN. ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher."""
 
-    def __init__(self, fail_rank: int = 1, fail_step: int = 3, kill: bool = False, nan: bool = False,
-                 step_seconds: float = 0.0, pid_dir: str = "", **kwargs) -> None:
+    def __init__(
+        self,
+        fail_rank: int = 1,
+        fail_step: int = 3,
+        kill: bool = False,
+        nan: bool = False,
+        step_seconds: float = 0.0,
+        pid_dir: str = "",
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step, self.kill, self.nan = fail_rank, fail_step, kill, nan
         self.step_seconds, self.calls = step_seconds, 0

@@ -10,24 +10,27 @@ from mnist_dist.bench import markdown, paired_ratio, report
 
 
 def run(speed, comm=0.0):
-    return {"images_per_s": speed, "peak_rss_mib": [100.0, 120.0],
-            "step_time_ms": {"data": 0.0, "forward_backward": 9.0, "comm_wait": comm, "optimizer": 1.0}}
+    return {
+        "images_per_s": speed,
+        "peak_rss_mib": [100.0, 120.0],
+        "step_time_ms": {"data": 0.0, "forward_backward": 9.0, "comm_wait": comm, "optimizer": 1.0},
+    }
 
 
 def test_ratios_are_medians_of_paired_rounds():
     # Round 2 ran on a slower machine for both: the paired ratio stays 2, the ratio of medians would not.
-    assert paired_ratio([200.0, 100.0, 210.0], [100.0, 50.0, 100.0]) == {
-        "median": 2.0, "min": 2.0, "max": 2.1, "n": 3}
+    assert paired_ratio([200.0, 100.0, 210.0], [100.0, 50.0, 100.0]) == {"median": 2.0, "min": 2.0, "max": 2.1, "n": 3}
 
 
 def test_report_medians_targets_and_exposed_communication():
-    samples = {"single": [run(1200.0), run(1000.0), run(1100.0)],
-               "classic": [run(1000.0), run(1000.0), run(1000.0)],
-               "ddp": [run(900.0, comm=1.0), run(950.0, comm=0.5), run(800.0, comm=0.2)],
-               "torch_ddp": [run(1000.0), run(1000.0), run(1000.0)]}
+    samples = {
+        "single": [run(1200.0), run(1000.0), run(1100.0)],
+        "classic": [run(1000.0), run(1000.0), run(1000.0)],
+        "ddp": [run(900.0, comm=1.0), run(950.0, comm=0.5), run(800.0, comm=0.2)],
+        "torch_ddp": [run(1000.0), run(1000.0), run(1000.0)],
+    }
     result = report(samples)
-    assert result["cases"]["single"] == {"median": 1100.0, "min": 1000.0, "max": 1200.0, "n": 3,
-                                         "peak_rss_mib": 120.0}
+    assert result["cases"]["single"] == {"median": 1100.0, "min": 1000.0, "max": 1200.0, "n": 3, "peak_rss_mib": 120.0}
     rows = {row["name"]: row for row in result["comparisons"]}
     assert set(rows) == {"single / classic", "ddp / torch_ddp", "ddp: exposed communication"}
     assert rows["single / classic"]["median"] == pytest.approx(1.1) and rows["single / classic"]["met"] is False
@@ -42,9 +45,28 @@ def test_report_medians_targets_and_exposed_communication():
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_what_it_measured(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mnist_dist.bench", "--cases", "single,ceiling",
-                             "--repeats", "2", "--steps", "6", "--warmup", "2", "--batch", "16",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mnist_dist.bench",
+            "--cases",
+            "single,ceiling",
+            "--repeats",
+            "2",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--batch",
+            "16",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "bench.json").read_text())
     speeds = {case: [run["images_per_s"] for run in runs] for case, runs in saved["samples"].items()}

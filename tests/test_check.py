@@ -41,11 +41,16 @@ def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
     code, checks, lines = report(capsys, "model._target_=test_check.BrokenNet", "~model.dropout")
     assert code == 1, "\n".join(lines)
     assert checks["unused parameters"].startswith(
-        "FAIL  unused parameters  2 parameter(s) got no gradient: unused.weight, unused.bias; ddp stops")
-    assert checks["batchnorm"].startswith("WARN  batchnorm          1 BatchNorm layer(s) (features.1) normalise "
-                                          "with each rank's share of the batch in ddp modes (64 images")
-    assert checks["rank buffers"].startswith("WARN  rank buffers       2 buffer(s) differ across ranks after a "
-                                             "step (features.1.running_mean, features.1.running_var)")
+        "FAIL  unused parameters  2 parameter(s) got no gradient: unused.weight, unused.bias; ddp stops"
+    )
+    assert checks["batchnorm"].startswith(
+        "WARN  batchnorm          1 BatchNorm layer(s) (features.1) normalise "
+        "with each rank's share of the batch in ddp modes (64 images"
+    )
+    assert checks["rank buffers"].startswith(
+        "WARN  rank buffers       2 buffer(s) differ across ranks after a "
+        "step (features.1.running_mean, features.1.running_var)"
+    )
     # The unused layer is let through for the comparison (find_unused_parameters): the numbers agree.
     assert checks["ddp vs torch ddp"].startswith("OK    ddp vs torch ddp   gradients agree within")
     assert checks["checkpoint"].startswith("OK") and checks["modes"].startswith("OK")
@@ -56,8 +61,15 @@ def test_the_convnet_passes_every_check(capsys):
     code, checks, lines = report(capsys)
     assert code == 0, "\n".join(lines)
     assert lines[0].startswith("checking mnist_dist.model.ConvNet (1,199,882 parameters)")
-    assert list(checks) == ["modes", "unused parameters", "batchnorm", "determinism", "ddp vs torch ddp",
-                            "rank buffers", "checkpoint"]
+    assert list(checks) == [
+        "modes",
+        "unused parameters",
+        "batchnorm",
+        "determinism",
+        "ddp vs torch ddp",
+        "rank buffers",
+        "checkpoint",
+    ]
     assert all(line.startswith("OK ") for line in checks.values()), "\n".join(lines)
     assert "wrapped.state_dict() would not: its keys start with 'module.'" in checks["checkpoint"]
     assert lines[-1] == "0 FAIL, 0 WARN: ready to train"
@@ -74,11 +86,12 @@ def test_an_op_without_a_deterministic_kernel_fails_unless_deterministic_is_off(
 # In-process training runs before this one leave deterministic algorithms on with warn_only.
 @pytest.mark.filterwarnings("ignore:max_unpooling2d_forward_out does not have a deterministic")
 def test_modes_that_need_a_named_submodule_warn(make_config):
-    (status, _, why), unused = check.check_modes(make_config("model._target_=test_check.UnpoolNet",
-                                                             "~model.dropout"))
+    (status, _, why), unused = check.check_modes(make_config("model._target_=test_check.UnpoolNet", "~model.dropout"))
     assert status == "WARN" and unused == []
-    assert why == ("other modes took a step; not usable as configured: dp_block (UnpoolNet has no submodule "
-                   "'features'; its submodules: pool, unpool, classifier)")
+    assert why == (
+        "other modes took a step; not usable as configured: dp_block (UnpoolNet has no submodule "
+        "'features'; its submodules: pool, unpool, classifier)"
+    )
 
 
 def test_a_model_that_cannot_be_built_is_one_line():

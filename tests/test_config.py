@@ -12,8 +12,9 @@ from mnist_dist.data import official_mirrors
 
 
 def cli(*overrides: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mnist_dist", *overrides], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mnist_dist", *overrides], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_defaults_follow_the_classic_recipe(make_config):
@@ -37,19 +38,29 @@ def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):
 
 
 def test_unknown_key_fails_while_composing():
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-        with pytest.raises(ConfigCompositionException, match="epoch"):
-            compose("config", overrides=["epoch=3"])
+    with (
+        initialize_config_module("mnist_dist.conf", version_base="1.3"),
+        pytest.raises(ConfigCompositionException, match="epoch"),
+    ):
+        compose("config", overrides=["epoch=3"])
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
-    ("mode.nme=x", "Key 'nme' not in 'ModeConfig'; valid keys: name, dp_block, dp_functional,"),
-    ("epochs=abc", "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be "
-                   "converted to Integer"),
-    ("mode=foo", "error: In 'config': Could not find 'mode/foo'; Available options in 'mode': ddp, "
-                 "dp, dp_block, dp_functional, single, split, torch_ddp"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
+        ("mode.nme=x", "Key 'nme' not in 'ModeConfig'; valid keys: name, dp_block, dp_functional,"),
+        (
+            "epochs=abc",
+            "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (
+            "mode=foo",
+            "error: In 'config': Could not find 'mode/foo'; Available options in 'mode': ddp, "
+            "dp, dp_block, dp_functional, single, split, torch_ddp",
+        ),
+    ],
+)
 def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, override, expected):
     result = cli(override, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1
@@ -57,13 +68,18 @@ def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, over
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["mode=ddp", "gpus=2", "batch_size=63"],
-     "batch_size=63 (global) is not divisible by 2 ranks; use a multiple of 2, e.g. batch_size=62"),
-    (["gpus=0"], "gpus=0 must be at least 1"),
-    (["epochs=-1"], "epochs=-1 must be at least 1"),
-    (["optim.lr=0"], "optim.lr=0.0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["mode=ddp", "gpus=2", "batch_size=63"],
+            "batch_size=63 (global) is not divisible by 2 ranks; use a multiple of 2, e.g. batch_size=62",
+        ),
+        (["gpus=0"], "gpus=0 must be at least 1"),
+        (["epochs=-1"], "epochs=-1 must be at least 1"),
+        (["optim.lr=0"], "optim.lr=0.0 must be positive"),
+    ],
+)
 def test_invalid_numbers_are_named(make_config, overrides, expected):
     with pytest.raises(ConfigError) as error:
         validate(make_config(*overrides))
@@ -73,8 +89,9 @@ def test_invalid_numbers_are_named(make_config, overrides, expected):
 def test_cli_invalid_number_is_one_line_and_leaves_no_run_dir(tmp_path):
     result = cli("mode=ddp", "gpus=3", "batch_size=64", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1
-    assert result.stderr == ("error: batch_size=64 (global) is not divisible by 3 ranks; use a multiple "
-                             "of 3, e.g. batch_size=63\n")
+    assert result.stderr == (
+        "error: batch_size=64 (global) is not divisible by 3 ranks; use a multiple of 3, e.g. batch_size=63\n"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -82,5 +99,4 @@ def test_cli_invalid_number_is_one_line_and_leaves_no_run_dir(tmp_path):
 def test_cli_cuda_without_cuda_is_one_line(tmp_path):
     result = cli("device=cuda", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1
-    assert result.stderr == ("error: device=cuda but no CUDA device is visible; use device=cpu or "
-                             "device=auto\n")
+    assert result.stderr == ("error: device=cuda but no CUDA device is visible; use device=cpu or device=auto\n")

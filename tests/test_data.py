@@ -19,8 +19,7 @@ import torchvision
 from mnist_dist import data
 from mnist_dist.data import DataError
 
-NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-         "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -115,15 +114,20 @@ def test_valid_set_in_raw_needs_no_mirrors(tmp_path):
     assert_raw_holds(raw, files)
 
 
-@pytest.mark.parametrize("name, content, problem", [
-    ("train-images-idx3-ubyte", images_idx(20)[:-100],
-     "15596 bytes, expected 15696 for 20 items (truncated?)"),
-    ("train-images-idx3-ubyte", images_idx(20)[:10], "10 bytes, too short for an IDX header"),
-    ("t10k-labels-idx1-ubyte", labels_idx(10, magic=0x803), "magic 0x00000803, expected 0x00000801"),
-    ("t10k-labels-idx1-ubyte", labels_idx(10, last=10), "label 10 out of range 0..9"),
-    ("t10k-images-idx3-ubyte", images_idx(10)[:8] + struct.pack(">II", 32, 32) + images_idx(10)[16:],
-     "images are 32x32, expected 28x28"),
-])
+@pytest.mark.parametrize(
+    "name, content, problem",
+    [
+        ("train-images-idx3-ubyte", images_idx(20)[:-100], "15596 bytes, expected 15696 for 20 items (truncated?)"),
+        ("train-images-idx3-ubyte", images_idx(20)[:10], "10 bytes, too short for an IDX header"),
+        ("t10k-labels-idx1-ubyte", labels_idx(10, magic=0x803), "magic 0x00000803, expected 0x00000801"),
+        ("t10k-labels-idx1-ubyte", labels_idx(10, last=10), "label 10 out of range 0..9"),
+        (
+            "t10k-images-idx3-ubyte",
+            images_idx(10)[:8] + struct.pack(">II", 32, 32) + images_idx(10)[16:],
+            "images are 32x32, expected 28x28",
+        ),
+    ],
+)
 def test_invalid_file_in_raw_is_named_and_deleted(tmp_path, name, content, problem):
     raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), name: content}, gz=False)
     with pytest.raises(DataError) as e:
@@ -144,8 +148,9 @@ def test_invalid_file_in_raw_is_fetched_again(tmp_path, caplog):
 
 def test_mismatched_counts(tmp_path):
     write_set(tmp_path / "MNIST" / "raw", {**idx_set(), "train-labels-idx1-ubyte": labels_idx(19)}, gz=False)
-    with pytest.raises(DataError, match="train-images-idx3-ubyte holds 20 images but train-labels-idx1-ubyte "
-                                        "holds 19 labels"):
+    with pytest.raises(
+        DataError, match="train-images-idx3-ubyte holds 20 images but train-labels-idx1-ubyte holds 19 labels"
+    ):
         data.prepare("mnist", tmp_path, mirrors=[])
 
 
@@ -153,8 +158,10 @@ def test_nonstandard_counts_warn_once_per_split(tmp_path, caplog):
     write_set(tmp_path / "MNIST" / "raw", idx_set(), gz=False)
     data.prepare("mnist", tmp_path, mirrors=[])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["mnist train split has 20 examples, not the standard 60000 (a subset?)",
-                        "mnist t10k split has 10 examples, not the standard 10000 (a subset?)"]
+    assert warnings == [
+        "mnist train split has 20 examples, not the standard 60000 (a subset?)",
+        "mnist t10k split has 10 examples, not the standard 10000 (a subset?)",
+    ]
 
 
 # --- local sources ----------------------------------------------------------------------------
@@ -250,8 +257,7 @@ def test_official_mirror_md5_is_enforced(tmp_path, serve, caplog, monkeypatch):
     assert fetched_from(caplog) == dict.fromkeys(NAMES, other)
 
     # and the same official mirror is accepted once the md5s match
-    md5s = [(f"{n}.gz", hashlib.md5((tmp_path / "official" / f"{n}.gz").read_bytes()).hexdigest())
-            for n in NAMES]
+    md5s = [(f"{n}.gz", hashlib.md5((tmp_path / "official" / f"{n}.gz").read_bytes()).hexdigest()) for n in NAMES]
     monkeypatch.setattr(torchvision.datasets.FashionMNIST, "resources", md5s)
     assert_raw_holds(data.prepare("fashion_mnist", tmp_path / "c", [official]), files)
 
@@ -265,8 +271,7 @@ def test_offline_error_is_one_helpful_line(tmp_path):
         data.prepare("fashion_mnist", tmp_path, [url, missing])
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith(
-        f"could not get train-images-idx3-ubyte.gz for fashion_mnist: tried {url} (URLError: ")
+    assert msg.startswith(f"could not get train-images-idx3-ubyte.gz for fashion_mnist: tried {url} (URLError: ")
     assert f", {missing} (missing). Put the four IDX files in {tmp_path / 'FashionMNIST' / 'raw'}" in msg
     assert "data.mirrors=[/usr/share/datasets/fashion-mnist]" in msg
 
@@ -274,8 +279,15 @@ def test_offline_error_is_one_helpful_line(tmp_path):
 # --- loading ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+        ),
+    ],
+)
 def test_load_split_and_to_device(tmp_path, device):
     files = idx_set()
     raw = data.prepare("mnist", tmp_path, [str(write_set(tmp_path / "mirror", files))])

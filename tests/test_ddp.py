@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_ranks
 from torch import nn
 
-from distributed import run_ranks
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel
 

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from test_train import scalars
 from torch import nn
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import plain_state_dict, wrap_model
-from test_train import scalars
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 VARIANTS = ["dp", "dp_block", "dp_functional", "split"]
@@ -22,8 +22,12 @@ def curves(tmp_path_factory, tiny_root):
     out = {}
     for mode in ["single", *VARIANTS]:
         run_dir = tmp_path_factory.mktemp(mode)
-        launch(compose_config(tiny_root, f"mode={mode}", "epochs=1", "batch_size=32", "log_every=1",
-                              "model.dropout=false"), run_dir)
+        launch(
+            compose_config(
+                tiny_root, f"mode={mode}", "epochs=1", "batch_size=32", "log_every=1", "model.dropout=false"
+            ),
+            run_dir,
+        )
         out[mode] = scalars(run_dir, 0)["train/loss"], torch.load(run_dir / "model.pt")
     return out
 

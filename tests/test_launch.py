@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FASHION
 
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
@@ -16,8 +15,13 @@ TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
 def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_dist"), timeout=300):
     started = time.monotonic()
-    result = subprocess.run([*launcher, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [*launcher, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     result.seconds = time.monotonic() - started
     return result
 
@@ -41,12 +45,19 @@ def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
     assert_complete_run(tmp_path / "run", "ddp", 2)
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
-                    reason="torchrun not installed")
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="torchrun not installed",
+)
 def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    result = cli(tmp_path / "run", "mode=ddp", f"data.root={tiny_root}", *TINY,
-                 launcher=(torchrun, "--nproc_per_node=2", "-m", "mnist_dist"))
+    result = cli(
+        tmp_path / "run",
+        "mode=ddp",
+        f"data.root={tiny_root}",
+        *TINY,
+        launcher=(torchrun, "--nproc_per_node=2", "-m", "mnist_dist"),
+    )
     assert result.returncode == 0, result.stderr
     assert_complete_run(tmp_path / "run", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
@@ -55,8 +66,16 @@ def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
 def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY,
-                 "model._target_=failing_model.FailingConvNet", f"+model.pid_dir={pids}", timeout=120)
+    result = cli(
+        tmp_path / "run",
+        "mode=ddp",
+        "gpus=2",
+        f"data.root={tiny_root}",
+        *TINY,
+        "model._target_=failing_model.FailingConvNet",
+        f"+model.pid_dir={pids}",
+        timeout=120,
+    )
     assert result.returncode == 1
     assert result.seconds < 30
     last_line = result.stderr.strip().splitlines()[-1]
@@ -72,9 +91,17 @@ def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
 @pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
 @pytest.mark.parametrize("mode, gpus", [("single", 1), ("ddp", 2)])
 def test_one_epoch_of_fashion_mnist_reaches_85_percent(tmp_path, mode, gpus):
-    result = cli(tmp_path / "run", f"mode={mode}", f"gpus={gpus}", "data=fashion_mnist",
-                 f"data.root={tmp_path}/data", f"data.mirrors=[{FASHION}]", "epochs=1", "progress=false",
-                 timeout=900)
+    result = cli(
+        tmp_path / "run",
+        f"mode={mode}",
+        f"gpus={gpus}",
+        "data=fashion_mnist",
+        f"data.root={tmp_path}/data",
+        f"data.mirrors=[{FASHION}]",
+        "epochs=1",
+        "progress=false",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["test_accuracy"] >= 0.85
@@ -93,10 +120,21 @@ def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
 def test_gpu_check_script_passes_on_the_cpu(tmp_path):
     # The script exists for machines with GPUs; on the CPU its own logic (runs, comparison, table) is checked.
     script = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
-    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--train-images", "640",
-                             "--epochs", "1"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--train-images", "640", "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0][2:] for row in table[1:]] == [
-        "single", "dp", "dp_block", "dp_functional", "split", "ddp", "torch_ddp"]
+        "single",
+        "dp",
+        "dp_block",
+        "dp_functional",
+        "split",
+        "ddp",
+        "torch_ddp",
+    ]
     assert result.stdout.strip().endswith("all checks passed")

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from test_train import scalars
 from torch import nn
 
 from mnist_dist.config import ConfigError, ModeConfig
 from mnist_dist.launch import launch
 from mnist_dist.model import ResNet
 from mnist_dist.parallel import plain_state_dict, wrap_model
-from test_train import scalars
 
 # 640 tiny images at a global batch of 32: 20 steps, a loss value every 5.
 RESNET = ["model=resnet", "epochs=1", "batch_size=32", "log_every=5"]
@@ -70,10 +70,28 @@ def test_a_model_from_the_users_own_package_trains_in_ddp(tiny_root, tmp_path):
     (package / "net.py").write_text(USER_MODEL)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, "-m", "mnist_dist", "model._target_=userpkg.net.TinyNet", "~model.dropout",
-         "+model.hidden=32", "mode=ddp", "gpus=2", f"data.root={tiny_root}", "data.mirrors=[]",
-         "progress=false", "epochs=2", "batch_size=32", f"hydra.run.dir={tmp_path}/run"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "mnist_dist",
+            "model._target_=userpkg.net.TinyNet",
+            "~model.dropout",
+            "+model.hidden=32",
+            "mode=ddp",
+            "gpus=2",
+            f"data.root={tiny_root}",
+            "data.mirrors=[]",
+            "progress=false",
+            "epochs=2",
+            "batch_size=32",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (results["world_size"], results["epochs"]) == (2, 2) and results["test_accuracy"] >= 0.9
@@ -87,8 +105,10 @@ def test_sync_batchnorm_on_cpu_is_a_config_error(make_config, tmp_path):
     cfg = make_config("model=resnet", "mode=ddp", "gpus=2", "device=cpu", "mode.sync_batchnorm=true")
     with pytest.raises(ConfigError) as error:
         launch(cfg, tmp_path)
-    assert str(error.value) == ("mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on "
-                                "CPU tensors; use mode.sync_batchnorm=false on CPU")
+    assert str(error.value) == (
+        "mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on "
+        "CPU tensors; use mode.sync_batchnorm=false on CPU"
+    )
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
@@ -100,7 +120,9 @@ def one_rank(tmp_path):
 
 
 def test_sync_batchnorm_converts_the_layers_and_is_refused_on_cpu_by_torch(one_rank):
-    batchnorms = lambda model: [type(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    def batchnorms(model):
+        return [type(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
     plain = wrap_model(ResNet(), ModeConfig(name="ddp"), torch.device("cpu"))
     assert batchnorms(plain) == [nn.BatchNorm2d] * 9
     synced = wrap_model(ResNet(), ModeConfig(name="ddp", sync_batchnorm=True), torch.device("cpu"))

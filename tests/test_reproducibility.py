@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
+from test_train import scalars
 
 from mnist_dist import checkpoint
 from mnist_dist.compare import compare
 from mnist_dist.launch import launch
-from test_train import scalars
 
 SHORT = ("epochs=3", "batch_size=64", "log_every=1")
 
@@ -34,8 +34,15 @@ class TinyMLP(torch.nn.Sequential):
 
 
 def test_checkpoint_carries_the_fp16_loss_scale(make_config, tmp_path):
-    run(make_config, tmp_path, "amp=fp16", "epochs=1", "batch_size=320",
-        "model._target_=test_reproducibility.TinyMLP", "~model.dropout")
+    run(
+        make_config,
+        tmp_path,
+        "amp=fp16",
+        "epochs=1",
+        "batch_size=320",
+        "model._target_=test_reproducibility.TinyMLP",
+        "~model.dropout",
+    )
     scaler = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["scaler"]
     assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 2  # two steps without an overflow
 
@@ -69,9 +76,13 @@ def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
 
 
 def cli(tmp_path, *overrides):
-    return subprocess.run([sys.executable, "-m", "mnist_dist", *overrides,
-                           f"hydra.run.dir={tmp_path}/new"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mnist_dist", *overrides, f"hydra.run.dir={tmp_path}/new"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_root, tmp_path):
@@ -80,10 +91,12 @@ def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_
     common = [f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", f"resume={tmp_path}/run"]
     refused = cli(tmp_path, *common, "epochs=2", "batch_size=32", "model.dropout=false")
     assert refused.returncode == 1
-    assert refused.stderr == ("error: resume: the checkpoint was trained with other settings (model "
-                              "{'_target_': 'mnist_dist.model.ConvNet', 'dropout': True} -> {'_target_': "
-                              "'mnist_dist.model.ConvNet', 'dropout': False}; batch_size 64 -> 32); use the "
-                              "same settings, or resume_allow_changes=true if that is intended\n")
+    assert refused.stderr == (
+        "error: resume: the checkpoint was trained with other settings (model "
+        "{'_target_': 'mnist_dist.model.ConvNet', 'dropout': True} -> {'_target_': "
+        "'mnist_dist.model.ConvNet', 'dropout': False}; batch_size 64 -> 32); use the "
+        "same settings, or resume_allow_changes=true if that is intended\n"
+    )
     finished = cli(tmp_path, *common, "epochs=1")
     assert finished.returncode == 1 and "pass epochs=2 or more" in finished.stderr
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before  # nothing overwritten
@@ -93,10 +106,13 @@ def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["epoch"] == 2
 
 
-@pytest.mark.parametrize("content, expected", [
-    (None, "no checkpoint there"),
-    (b"not a checkpoint", "cannot read the checkpoint (UnpicklingError"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "no checkpoint there"),
+        (b"not a checkpoint", "cannot read the checkpoint (UnpicklingError"),
+    ],
+)
 def test_missing_or_corrupt_checkpoint_is_one_clear_line(tiny_root, tmp_path, content, expected):
     (tmp_path / "old").mkdir()
     if content is not None:
@@ -125,8 +141,10 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
 
 
 def test_compare_verdict_and_arithmetic():
-    results = {m: {"world_size": w, "test_accuracy": 0.9, "train_images_per_s": s}
-               for m, w, s in (("single", 1, 100.0), ("ddp", 2, 150.0))}
+    results = {
+        m: {"world_size": w, "test_accuracy": 0.9, "train_images_per_s": s}
+        for m, w, s in (("single", 1, 100.0), ("ddp", 2, 150.0))
+    }
     curves = {"single": {10: 1.0, 20: 0.5}, "ddp": {10: 1.00001, 20: 0.53}}
     report = compare(results, curves, tolerance=0.02, early_tolerance=1e-4)
     assert report["first_step"] == 10
@@ -139,10 +157,25 @@ def test_compare_verdict_and_arithmetic():
 
 
 def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mnist_dist.compare", "modes=[single,dp,ddp]", "gpus=2",
-                             f"data.root={tiny_root}", "data.mirrors=[]", "epochs=1", "batch_size=32",
-                             "log_every=2", "progress=false"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mnist_dist.compare",
+            "modes=[single,dp,ddp]",
+            "gpus=2",
+            f"data.root={tiny_root}",
+            "data.mirrors=[]",
+            "epochs=1",
+            "batch_size=32",
+            "log_every=2",
+            "progress=false",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     (out,) = (tmp_path / "outputs" / "compare").glob("*/*")
     report = json.loads((out / "compare.json").read_text())

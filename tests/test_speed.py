@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from test_train import scalars
 
 from mnist_dist.launch import launch
 from mnist_dist.precision import Precision
 from mnist_dist.train import train_step
-from test_train import scalars
 
 STEPS = ("epochs=1", "batch_size=32", "log_every=1", "model.dropout=false")
 

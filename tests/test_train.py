@@ -11,10 +11,23 @@ from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.train import evaluate
 
-RANK_TAGS = {"train/loss", "perf/images_per_s", "time/data_ms", "time/forward_backward_ms",
-             "time/comm_wait_ms", "time/optimizer_ms"}
-RANK0_TAGS = RANK_TAGS | {"train/loss_global", "perf/images_per_s_global", "train/lr",
-                          "perf/epoch_time_s", "test/loss", "test/accuracy", "results/images_per_s"}
+RANK_TAGS = {
+    "train/loss",
+    "perf/images_per_s",
+    "time/data_ms",
+    "time/forward_backward_ms",
+    "time/comm_wait_ms",
+    "time/optimizer_ms",
+}
+RANK0_TAGS = RANK_TAGS | {
+    "train/loss_global",
+    "perf/images_per_s_global",
+    "train/lr",
+    "perf/epoch_time_s",
+    "test/loss",
+    "test/accuracy",
+    "results/images_per_s",
+}
 
 
 def events(run_dir, rank):
@@ -49,7 +62,10 @@ def test_single_run_learns_and_writes_everything(make_config, tmp_path):
     assert tb["train/lr"][0] == 1.0 and tb["train/lr"][-1] == pytest.approx(0.49)  # StepLR 0.7 twice
     assert tb["results/images_per_s"] == [pytest.approx(results["train_images_per_s"])]
     assert set(events(tmp_path, 0).PluginTagToContent("hparams")) == {
-        "_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+        "_hparams_/experiment",
+        "_hparams_/session_start_info",
+        "_hparams_/session_end_info",
+    }
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert (checkpoint["epoch"], checkpoint["step"]) == (3, 30)
     final = torch.load(tmp_path / "model.pt")
@@ -67,8 +83,15 @@ def twenty_steps(tmp_path_factory, tiny_root):
     out = {}
     for mode in ("single", "ddp", "torch_ddp"):
         run_dir = tmp_path_factory.mktemp(mode)
-        cfg = compose_config(tiny_root, f"mode={mode}", "gpus=2", "epochs=1", "batch_size=32",
-                             "model.dropout=false", "mode.message_size=100000")
+        cfg = compose_config(
+            tiny_root,
+            f"mode={mode}",
+            "gpus=2",
+            "epochs=1",
+            "batch_size=32",
+            "model.dropout=false",
+            "mode.message_size=100000",
+        )
         launch(cfg, run_dir)
         out[mode] = (torch.load(run_dir / "model.pt"), run_dir)
     return out

@@ -35,8 +35,15 @@ from mnist_dist.config import DISTRIBUTED_MODES, ModeConfig
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 
-__all__ = ["DistributedDataParallel", "wrap_model", "unwrap", "plain_state_dict", "gradient_sync", "spawn",
-           "WorkerFailed"]
+__all__ = [
+    "DistributedDataParallel",
+    "wrap_model",
+    "unwrap",
+    "plain_state_dict",
+    "gradient_sync",
+    "spawn",
+    "WorkerFailed",
+]
 
 _WRAPPERS = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
 
@@ -47,8 +54,9 @@ def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device, gpus: i
     ``device`` is this process's device (cuda:<local rank> or cpu); dp and split use ``gpus`` devices.
     """
     if mode.name == "split":
-        first, second = ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else \
-            ("cpu", device)  # one GPU: the tutorial's CPU + GPU example; no GPU: both on the CPU
+        first, second = (
+            ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else ("cpu", device)
+        )  # one GPU: the tutorial's CPU + GPU example; no GPU: both on the CPU
         return split(model, mode.split_at, torch.device(first), torch.device(second))
     model = model.to(device)
     if mode.sync_batchnorm and mode.name in DISTRIBUTED_MODES:
@@ -88,7 +96,7 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, value in model.state_dict().items():
         for prefix in inner:
             if key.startswith(prefix + "module."):
-                key = prefix + key[len(prefix + "module."):]
+                key = prefix + key[len(prefix + "module.") :]
         state[key] = value
     return state
 
@@ -107,8 +115,7 @@ class WorkerFailed(RuntimeError):
     """A worker raised or died; the message names the rank."""
 
 
-def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str | None = None,
-          port: int = 0) -> None:
+def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str | None = None, port: int = 0) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
     Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
@@ -125,9 +132,14 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str
     context = mp.get_context("spawn")
     # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
     reports, report_ends = zip(*(context.Pipe(duplex=False) for _ in range(world_size)))
-    workers = [context.Process(target=_worker, name=f"rank_{rank}",
-                               args=(fn, rank, world_size, port, args, log_dir is None, report_ends[rank]))
-               for rank in range(world_size)]
+    workers = [
+        context.Process(
+            target=_worker,
+            name=f"rank_{rank}",
+            args=(fn, rank, world_size, port, args, log_dir is None, report_ends[rank]),
+        )
+        for rank in range(world_size)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -136,10 +148,10 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
 
 
-def _worker(fn: Callable[..., object], rank: int, world_size: int, port: int, args: tuple,
-            print_traceback: bool, report) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+def _worker(
+    fn: Callable[..., object], rank: int, world_size: int, port: int, args: tuple, print_traceback: bool, report
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         fn(rank, world_size, *args)
     except BaseException as error:

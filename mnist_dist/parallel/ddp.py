@@ -247,8 +247,11 @@ class DistributedDataParallel(nn.Module):
         for indices, _ in open_buckets.values():
             self._add_bucket(indices)
         if dist.get_backend() == "gloo" and torch.float16 in open_buckets:
-            warnings.warn("fp16 gradients on gloo: gloo sums fp16 slowly and with fp16 rounding; "
-                          "prefer bf16 or fp32 gradients on CPU", stacklevel=3)
+            warnings.warn(
+                "fp16 gradients on gloo: gloo sums fp16 slowly and with fp16 rounding; "
+                "prefer bf16 or fp32 gradients on CPU",
+                stacklevel=3,
+            )
         # This backward's hooks fired before the plan existed: count them in now.
         for i in set(recorded):
             self._bucket_of[i].pending -= 1
@@ -258,7 +261,8 @@ class DistributedDataParallel(nn.Module):
         numel = sum(self._params[i].numel() for i in indices)
         bucket = _Bucket(indices, torch.empty(numel, dtype=first.dtype, device=first.device), len(indices))
         if self.compress_bf16 and first.dtype == torch.float32:
-            bucket.wire = [torch.empty(numel, dtype=torch.bfloat16, device=first.device)
-                           for _ in range(self.world_size)]
+            bucket.wire = [
+                torch.empty(numel, dtype=torch.bfloat16, device=first.device) for _ in range(self.world_size)
+            ]
         self._buckets.append(bucket)
         self._bucket_of.update((i, bucket) for i in indices)

@@ -38,8 +38,11 @@ class FunctionalDataParallel(nn.Module):
 
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:
     """Wraps ``model`` (or only its submodule ``block``) for data parallelism over ``device_ids``."""
-    wrap = (lambda m: FunctionalDataParallel(m, device_ids)) if functional else \
-        (lambda m: nn.DataParallel(m, device_ids=device_ids or None))
+    wrap = (
+        (lambda m: FunctionalDataParallel(m, device_ids))
+        if functional
+        else (lambda m: nn.DataParallel(m, device_ids=device_ids or None))
+    )
     if not block:
         return wrap(model)
     # The tutorial's block2 case: only this part is replicated; the rest runs on the first device.
@@ -66,6 +69,5 @@ def split(model: nn.Module, split_at: str, first, second) -> nn.Module:
 def child(model: nn.Module, name: str) -> nn.Module:
     children = dict(model.named_children())
     if name not in children:
-        raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; its submodules: "
-                         f"{', '.join(children)}")
+        raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; its submodules: {', '.join(children)}")
     return children[name]
