@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist.config import Config, ConfigError, ModeConfig, describe_hydra_error, validate
-from mnist_dist.parallel import WorkerFailed, gradient_sync, plain_state_dict, spawn, unwrap, wrap_model
+from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
+from mnist_dist.modes import MODES, Processes, after_backward, wrap_model
+from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
 
 RANKS = 2
 BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second on a CPU
@@ -52,13 +54,23 @@ def random_batch(seed: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(size, 1, 28, 28, generator=generator), torch.randint(0, 10, (size,), generator=generator)
 
 
-def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Forward, backward and gradient sync, as the trainer's step does them."""
+def step(model: nn.Module, mode: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Forward, backward and what ``mode`` does after backward, as the trainer's step does them."""
     model.train()
     model.zero_grad(set_to_none=True)
     logits = model(x)
     F.cross_entropy(logits, y.to(logits.device)).backward()
-    gradient_sync(model)()
+    after_backward(model, mode)()
+
+
+def one_process_modes(cfg: Config) -> dict[str, Any]:
+    """Every one-process mode of the table with its conf/mode/ settings; the configured mode as configured."""
+    names = [name for name, mode in MODES.items() if mode.processes is Processes.ONE]
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        modes = {name: OmegaConf.to_object(compose("config", overrides=[f"mode={name}"]).mode) for name in names}
+    if cfg.mode.name in modes:
+        modes[cfg.mode.name] = cfg.mode
+    return modes
 
 
 def names(items: list[str], most: int = 4) -> str:
@@ -68,19 +80,13 @@ def names(items: list[str], most: int = 4) -> str:
 def check_modes(cfg: Config) -> tuple[Line, list[str]]:
     """One step in each single-process mode (their CPU equivalents); also returns the parameters that
     got no gradient in single mode."""
-    variants = {
-        "single": ModeConfig(name="single"),
-        "dp": ModeConfig(name="dp"),
-        "dp_block": ModeConfig(name="dp", dp_block=cfg.mode.dp_block or "features"),
-        "dp_functional": ModeConfig(name="dp", dp_functional=True),
-        "split": ModeConfig(name="split", split_at=cfg.mode.split_at),
-    }
+    variants = one_process_modes(cfg)
     x, y = random_batch(0, RANKS * BATCH)
     failed, unusable, unused = [], [], []
     for name, mode in variants.items():
         try:
             model = wrap_model(build(cfg), mode, torch.device("cpu"))
-            step(model, x, y)
+            step(model, mode, x, y)
         except ConfigError as error:  # dp_block and split need a submodule of that name
             unusable.append(f"{name} ({error})")
             continue
@@ -100,7 +106,7 @@ def check_unused(cfg: Config, unused: list[str]) -> Line:
     if not unused:
         return "OK", "unused parameters", "every parameter that requires grad got a gradient"
     why = f"{len(unused)} parameter(s) got no gradient: {names(unused)}"
-    if cfg.mode.find_unused_parameters:
+    if getattr(cfg.mode, "find_unused_parameters", False):
         return "WARN", "unused parameters", f"{why}; allowed by mode.find_unused_parameters=true, they never train"
     return (
         "FAIL",
@@ -114,7 +120,7 @@ def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
     layers = [name for name, module in model.named_modules() if isinstance(module, BATCHNORM)]
     if not layers:
         return "OK", "batchnorm", "no BatchNorm layers"
-    if cfg.mode.sync_batchnorm:
+    if getattr(cfg.mode, "sync_batchnorm", False):
         return "OK", "batchnorm", f"{len(layers)} BatchNorm layer(s) become SyncBatchNorm in ddp modes (CUDA only)"
     share = cfg.batch_size // cfg.gpus
     return (
@@ -134,12 +140,12 @@ def check_determinism(cfg: Config) -> Line:
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the trainer sets it
     model = build(cfg).to(device)
-    optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
+    optimizer = instantiate(cfg.optim)(model.parameters())
     x, y = random_batch(0)
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)  # no warn_only (the trainer has it): such an op raises
     try:
-        step(model, x.to(device), y.to(device))
+        step(model, cfg.mode, x.to(device), y.to(device))
         optimizer.step()
     except RuntimeError as error:
         return (
@@ -160,12 +166,14 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
     dist.init_process_group("gloo")
     try:
         x, y = random_batch(1 + rank)  # each rank its own data, as in training
-        mode = dataclasses.replace(cfg.mode, sync_batchnorm=False, find_unused_parameters=find_unused)
         wrapped, grads = {}, {}
-        for name in ("ddp", "torch_ddp"):
-            wrapped[name] = wrap_model(build(cfg), dataclasses.replace(mode, name=name), torch.device("cpu"))
+        for name in ("ddp", "torch_ddp"):  # ours against the oracle
+            mode = MODES[name].schema(name=name, find_unused_parameters=find_unused)
+            if cfg.mode.name == name:  # as configured, but SyncBatchNorm does not run on CPU
+                mode = dataclasses.replace(cfg.mode, sync_batchnorm=False, find_unused_parameters=find_unused)
+            wrapped[name] = wrap_model(build(cfg), mode, torch.device("cpu"))
             torch.manual_seed(cfg.seed + rank)  # the same dropout masks under both wrappers
-            step(wrapped[name], x, y)
+            step(wrapped[name], mode, x, y)
             grads[name] = torch.cat(
                 [
                     torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten()
@@ -215,67 +223,55 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
         except WorkerFailed as error:
             return [("FAIL", "ddp", f"a step with our DDP or torch DDP failed: {error} (traceback above)")]
         report = json.loads(out.read_text())
-    lines = []
+    return [_agreement(report), _buffers(report), _checkpoint(report)]
+
+
+def _agreement(report: dict) -> Line:
     if report["difference"] <= TOLERANCE:
-        lines.append(
-            (
-                "OK",
-                "ddp vs torch ddp",
-                f"gradients agree within {report['difference']:.1e} (tolerance {TOLERANCE:g}) on {RANKS} ranks",
-            )
+        why = f"gradients agree within {report['difference']:.1e} (tolerance {TOLERANCE:g}) on {RANKS} ranks"
+        return "OK", "ddp vs torch ddp", why
+    return (
+        "FAIL",
+        "ddp vs torch ddp",
+        f"gradients differ by {report['difference']:.1e} (tolerance {TOLERANCE:g}): our DDP does not "
+        "average this model's gradients as torch DDP does",
+    )
+
+
+def _buffers(report: dict) -> Line:
+    if not report["differing"]:
+        buffers = report["buffers"]
+        return (
+            "OK",
+            "rank buffers",
+            f"{buffers} buffer(s), equal on every rank after a step" if buffers else "no buffers",
         )
-    else:
-        lines.append(
-            (
-                "FAIL",
-                "ddp vs torch ddp",
-                f"gradients differ by {report['difference']:.1e} "
-                f"(tolerance {TOLERANCE:g}): our DDP does not average this model's gradients as "
-                "torch DDP does",
-            )
-        )
-    if report["differing"]:
-        lines.append(
-            (
-                "WARN",
-                "rank buffers",
-                f"{len(report['differing'])} buffer(s) differ across ranks after "
-                f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
-                "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
-                "evaluation runs on each rank's own and checkpoints hold rank 0's",
-            )
-        )
-    else:
-        lines.append(
-            (
-                "OK",
-                "rank buffers",
-                f"{report['buffers']} buffer(s), equal on every rank after a step"
-                if report["buffers"]
-                else "no buffers",
-            )
-        )
+    return (
+        "WARN",
+        "rank buffers",
+        f"{len(report['differing'])} buffer(s) differ across ranks after "
+        f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
+        "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
+        "evaluation runs on each rank's own and checkpoints hold rank 0's",
+    )
+
+
+def _checkpoint(report: dict) -> Line:
     failures = {name: report[f"{name}_plain"] for name in ("ddp", "torch_ddp") if report[f"{name}_plain"]}
     if failures:
-        lines.append(
-            (
-                "FAIL",
-                "checkpoint",
-                "plain_state_dict of the wrapped model does not load into a fresh "
-                f"model: {'; '.join(f'{k}: {v}' for k, v in failures.items())}",
-            )
+        return (
+            "FAIL",
+            "checkpoint",
+            "plain_state_dict of the wrapped model does not load into a fresh "
+            f"model: {'; '.join(f'{k}: {v}' for k, v in failures.items())}",
         )
-    else:
-        naive = "would not: its keys start with 'module.'" if report["ddp_naive"] else "would too"
-        lines.append(
-            (
-                "OK",
-                "checkpoint",
-                "plain_state_dict(wrapped), which the trainer saves, loads into a "
-                f"fresh model with no 'module.' prefix to strip; wrapped.state_dict() {naive}",
-            )
-        )
-    return lines
+    naive = "would not: its keys start with 'module.'" if report["ddp_naive"] else "would too"
+    return (
+        "OK",
+        "checkpoint",
+        "plain_state_dict(wrapped), which the trainer saves, loads into a "
+        f"fresh model with no 'module.' prefix to strip; wrapped.state_dict() {naive}",
+    )
 
 
 def run_checks(cfg: Config) -> list[Line]:

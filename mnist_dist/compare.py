@@ -24,9 +24,10 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mnist_dist.config import ConfigError, describe_hydra_error, validate, world_size
+from mnist_dist.config import ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.modes import world_size
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,63 +1,59 @@
 """The configuration schema: every setting, declared once, with its default and why it exists.
 
 Hydra merges the YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the
-wrong type fails while the config is composed, before anything runs or is written.
+wrong type fails while the config is composed, before anything runs or is written. Each group's
+defaults live in one place: the top-level settings here, each mode's knobs in its structured config in
+``mnist_dist/modes.py``, and ``model``, ``data``, ``optim`` and ``scheduler`` in their YAML files.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf.errors import OmegaConfBaseException
+from hydra.errors import MissingConfigException
+from omegaconf import MISSING
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-# Where datasets live unless data.root says otherwise; outside the run directory so that every run,
-# and every clone, shares one copy.
-DEFAULT_DATA_ROOT = "${oc.env:MNIST_DIST_DATA,'~/.cache/mnist_dist'}"
+from mnist_dist.errors import ConfigError
+from mnist_dist.modes import MODES, world_size
 
-DISTRIBUTED_MODES = ("ddp", "torch_ddp")  # one process per device
-MODES = ("single", "dp", "split", *DISTRIBUTED_MODES)
+__all__ = ["Amp", "Config", "ConfigError", "Device", "describe_hydra_error", "validate", "world_size"]
 
 
-@dataclass
-class ModeConfig:
-    name: str = "single"  # single | dp | split | ddp | torch_ddp: how the model is spread over devices
-    dp_block: str = ""  # dp: wrap only this submodule (e.g. features) in DataParallel; "" = the whole model
-    dp_functional: bool = False  # dp: replicate/scatter/parallel_apply/gather by hand, not nn.DataParallel
-    split_at: str = "classifier"  # split: this submodule and those after it run on the second device
-    # ddp only. Elements per all-reduce bucket (1M = 4 MB of fp32). Smaller buckets start communicating
-    # earlier in backward, larger ones send fewer messages. apex used 10M, which puts this convnet's
-    # 1.2M parameters in one bucket and so overlaps nothing; 1M sends fc1 (98 % of them) while the
-    # convolutions' backward still runs.
-    message_size: int = 1_000_000
-    overlap: bool = True  # ddp: all-reduce while backward runs (false: only after it, for comparison)
-    find_unused_parameters: bool = False  # ddp/torch_ddp: allow parameters that get no gradient
-    compress_bf16: bool = False  # ddp: gradients travel as bf16 (half the bytes), summed in fp32
-    # ddp/torch_ddp: BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the
-    # global batch instead of each rank's share, at the cost of a collective per layer in forward and
-    # in backward. It matters when that share is small (below about 16 images; rarely at 32 or more),
-    # and batch_size is global, so more ranks mean smaller shares. CUDA only: torch's SyncBatchNorm does
-    # not run on CPU tensors.
-    sync_batchnorm: bool = False
+class Amp(str, Enum):
+    """Autocast for forward and loss; fp16 adds a GradScaler."""
+
+    off = "off"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda when available
+    cuda = "cuda"
+    cpu = "cpu"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
 class DataConfig:
-    name: str = "mnist"  # mnist | fashion_mnist
-    root: str = DEFAULT_DATA_ROOT  # holds <root>/MNIST/raw, <root>/FashionMNIST/raw (torchvision layout)
+    name: str = MISSING  # mnist | fashion_mnist (conf/data/)
+    # holds <root>/MNIST/raw, <root>/FashionMNIST/raw (torchvision layout); outside the run directory so
+    # that every run, and every clone, shares one copy
+    root: str = "${oc.env:MNIST_DIST_DATA,'~/.cache/mnist_dist'}"
     mirrors: list[str] = field(default_factory=list)  # URLs, file:// URLs or directories, tried in order
-    mean: float = 0.1307  # per-pixel normalisation of the training set
-    std: float = 0.3081
-
-
-@dataclass
-class OptimConfig:
-    name: str = "Adadelta"  # a class in torch.optim
-    lr: float = 1.0
-    gamma: float = 0.7  # StepLR factor applied after every epoch, as in pytorch/examples mnist
+    mean: float = MISSING  # per-pixel normalisation of the training set
+    std: float = MISSING
 
 
 @dataclass
@@ -68,13 +64,15 @@ class DistConfig:
 
 @dataclass
 class Config:
-    mode: ModeConfig = field(default_factory=ModeConfig)
-    model: Any = field(default_factory=lambda: {"_target_": "mnist_dist.model.ConvNet"})
+    mode: Any = MISSING  # a structured config of mnist_dist/modes.py, chosen by conf/mode/<name>.yaml
+    model: Any = MISSING  # _target_: the model class, and its constructor arguments (conf/model/)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    # _target_: a torch.optim class with _partial_: true; any constructor argument can be set (conf/optim/)
+    optim: Any = MISSING
+    scheduler: Any = MISSING  # _target_: a torch.optim.lr_scheduler class, stepped after every epoch
     dist: DistConfig = field(default_factory=DistConfig)
     gpus: int = 1  # devices, i.e. worker processes in ddp modes
-    device: str = "auto"  # auto | cuda | cpu; auto = cuda when available
+    device: Device = Device.auto
     epochs: int = 14
     batch_size: int = 64  # GLOBAL batch per optimizer step, in every mode, so curves compare
     test_batch_size: int = 1000
@@ -82,7 +80,7 @@ class Config:
     log_every: int = 10  # steps between loss/throughput scalars
     warmup_steps: int = 5  # steps left out of throughput numbers (allocator, caches, first buckets)
     progress: bool = True  # tqdm bar on rank 0
-    amp: str = "off"  # off | bf16 | fp16: autocast for forward and loss (fp16 adds a GradScaler)
+    amp: Amp = Amp.off
     channels_last: bool = False  # NHWC memory layout for images and convolution weights
     compile: bool = False  # torch.compile the model (in place) before the mode wraps it
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
@@ -92,27 +90,19 @@ class Config:
     resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
 
-class ConfigError(ValueError):
-    """A setting that composes but cannot run; the message is one line with the numbers."""
-
-
 def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
-    if cfg.mode.name not in MODES:
-        raise ConfigError(f"mode.name={cfg.mode.name!r} is not one of {', '.join(MODES)}")
-    if cfg.amp not in ("off", "bf16", "fp16"):
-        raise ConfigError(f"amp={cfg.amp!r} is not one of off, bf16, fp16")
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"device={cfg.device!r} is not one of auto, cuda, cpu")
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
-    if cfg.mode.message_size <= 0:
+    lr = cfg.optim.get("lr", 1.0)
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"optim.lr={float(lr)} must be positive")
+    if getattr(cfg.mode, "message_size", 1) <= 0:
         raise ConfigError(f"mode.message_size={cfg.mode.message_size} must be positive")
-    if cfg.mode.name == "split" and cfg.gpus > 2:
-        raise ConfigError(f"gpus={cfg.gpus}: mode=split puts the model on 2 devices; use gpus=2 (or 1: CPU + GPU)")
+    most = MODES[cfg.mode.name].max_gpus
+    if most and cfg.gpus > most:
+        raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
     ranks = world_size(cfg)
     if cfg.batch_size % ranks:
         raise ConfigError(
@@ -121,34 +111,23 @@ def validate(cfg: Config) -> None:
         )
 
 
-def devices_needed(cfg: Config) -> int:
-    """CUDA devices the mode drives: every process one in ddp modes, one process all of them in dp."""
-    return 1 if cfg.mode.name == "single" else cfg.gpus
-
-
-def world_size(cfg: Config) -> int:
-    """Number of worker processes: one per device in the distributed modes, else one."""
-    return cfg.gpus if cfg.mode.name in DISTRIBUTED_MODES else 1
-
-
 def data_root(cfg: Config) -> str:
     return os.path.expanduser(cfg.data.root)
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """Hydra's composition errors span several lines; say the same in one, with the valid choices."""
-    text = str(error).split("Config search path")[0]
-    # Hydra's hint "To append to your config use +key=..." does not apply: the schema is closed.
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "To append" not in line]
-    message = lines[0].rstrip(".")
-    if len(lines) > 1:  # "Available options in 'mode':" then one option per line
-        message += f"; {lines[1]} {', '.join(lines[2:])}"
+    """Hydra's composition errors span several lines; say the same in one, from their fields."""
+    if isinstance(error, MissingConfigException) and error.options is not None:
+        # mode=foo: name the group's options rather than Hydra's search path
+        group, choice = os.path.split(error.missing_cfg_file)
+        return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
+    message = str(error).splitlines()[0].rstrip(".")
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException):
-        message += f": {str(cause).splitlines()[0]}"
+        message += f": {cause.msg.splitlines()[0]}"
         schema = getattr(cause, "object_type", None)
-        if dataclasses.is_dataclass(schema) and "not in" in str(cause):
-            message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(schema))}"
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and hasattr(schema, "__dataclass_fields__"):
+            message += f"; valid keys: {', '.join(schema.__dataclass_fields__)}"
     return message
 
 

@@ -1,5 +1,5 @@
 """The convnet of pytorch/examples mnist, and a small ResNet with BatchNorm. They know nothing of
-devices or distribution: modes are applied to them from outside (mnist_dist.parallel.wrap_model)."""
+devices or distribution: modes are applied to them from outside (mnist_dist.modes.wrap_model)."""
 
 from torch import Tensor, nn
 

@@ -1,18 +1,19 @@
-"""The worker: setup → build → loop → evaluate → tear down, the same code in every mode and on every rank.
+"""The worker: build → run the epochs (train, evaluate) → finish, the same code in every mode and on every rank.
 
-It gets a plain config and plain paths (never Hydra globals) and never touches the network: the
-parent prepared the data before this process existed.
+It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the
+network: the parent prepared the data before this process existed. A resumed run reads its checkpoint
+once, in ``train``; ``build`` puts the weights into the plain model and ``restore`` the rest.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import resource
 import threading
 import time
-from datetime import timedelta
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,15 +21,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 from tqdm import tqdm
 
 from mnist_dist import checkpoint
-from mnist_dist.config import DISTRIBUTED_MODES, Config
+from mnist_dist.config import Config
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
-from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
+from mnist_dist.modes import after_backward, wrap_model
+from mnist_dist.parallel import plain_state_dict, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
+from mnist_dist.topology import Topology, setup_process
 
 log = logging.getLogger("mnist_dist")
 # tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
@@ -36,176 +40,282 @@ log = logging.getLogger("mnist_dist")
 tqdm.set_lock(threading.RLock())
 
 
-def train(
-    cfg: Config, run_dir: Path, raw_dir: Path, device: str, rank: int = 0, world_size: int = 1, local_rank: int = 0
-) -> dict:
+@dataclass
+class Run:
+    """What a worker builds once and every step of it uses."""
+
+    cfg: Config
+    topology: Topology
+    run_dir: Path
+    config_yaml: str
+    scalars: Scalars
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    after_backward: Callable[[], None]
+    throughput: Throughput
+    timer: StepTimer
+    first_epoch: int = 1
+    step: int = 0  # optimizer steps taken, over all epochs
+    test_loss: float = float("nan")
+    test_accuracy: float = float("nan")
+
+
+def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
     """Trains and evaluates; rank 0 writes checkpoints and results.json. Returns the results."""
-    # --- setup -------------------------------------------------------------------------------
     started = time.perf_counter()
-    setup_logging(run_dir, rank)
-    torch_device = setup_process(cfg, device, rank, world_size, local_rank)
+    setup_logging(run_dir, topology.rank)
+    device = setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
     # On resume, drop any scalars the interrupted run wrote after its checkpoint: no duplicate steps.
-    scalars = Scalars(run_dir, rank, purge_step=resumed["step"] + 1 if resumed else None)
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    if rank == 0:
-        log.info("config:\n%s", config_yaml)
-        (run_dir / "config.yaml").write_text(config_yaml)
+    scalars = Scalars(run_dir, topology.rank, purge_step=resumed["step"] + 1 if resumed else None)
     try:
-        # --- build ---------------------------------------------------------------------------
-        train_x, train_y = to_device_tensors(
-            *load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, torch_device
-        )
-        test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, torch_device)
-        if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
-            train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
-        torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
-        model = instantiate(cfg.model)
-        if resumed:
-            model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
-        if cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if cfg.compile:
-            model.compile()  # in place: parameter names, hooks and checkpoints stay as they are
-        model = wrap_model(model, cfg.mode, torch_device, cfg.gpus)
-        random.seed(cfg.seed + rank)
-        torch.manual_seed(cfg.seed + rank)  # each rank its own dropout masks, repeatably
-        optimizer = getattr(torch.optim, cfg.optim.name)(model.parameters(), lr=cfg.optim.lr)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma)
-        precision = Precision(cfg.amp, torch_device)
-        first_epoch, step = 1, 0
-        if resumed:
-            optimizer.load_state_dict(resumed["optimizer"])
-            scheduler.load_state_dict(resumed["scheduler"])
-            precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-            first_epoch, step = resumed["epoch"] + 1, resumed["step"]
-            checkpoint.restore_rng(resumed["rng"], rank)
-            log.info("resuming %s at epoch %d, step %d", cfg.resume, first_epoch, step)
-        finish_sync = gradient_sync(model)
-        throughput = Throughput(torch_device, cfg.warmup_steps)
-        timer = StepTimer(torch_device)
-        steps = steps_per_epoch(len(train_x), cfg.batch_size)
-        local_batch = cfg.batch_size // world_size
-        log.info(
-            "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
-            cfg.mode.name,
-            device,
-            world_size,
-            cfg.batch_size,
-            local_batch,
-            steps,
-        )
-
-        # --- loop ----------------------------------------------------------------------------
-        for epoch in range(first_epoch, cfg.epochs + 1):
+        run = build(cfg, topology, run_dir, raw_dir, device, scalars, resumed)
+        for epoch in range(run.first_epoch, cfg.epochs + 1):
             epoch_started = time.perf_counter()
-            model.train()
-            order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
-            window_losses = []  # kept on the device: no sync per step
-            bar = tqdm(
-                total=steps,
-                desc=f"epoch {epoch}/{cfg.epochs}",
-                leave=False,
-                disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
-                dynamic_ncols=True,
-            )
-            for indices in rank_batches(order, cfg.batch_size, rank, world_size):
-                step += 1
-                timer.start(sample=step % cfg.log_every == 0)  # the last step of each window is timed
-                x, y = train_x[indices], train_y[indices]
-                timer.mark("data")
-                loss = train_step(model, optimizer, finish_sync, x, y, precision, timer.mark)
-                window_losses.append(loss.detach())
-                throughput.step(len(indices))
-                if step % cfg.log_every == 0:
-                    loss_value = check_finite(torch.stack(window_losses), step, rank).mean().item()
-                    log_window(scalars, throughput, timer, step, rank, loss_value, optimizer.param_groups[0]["lr"], bar)
-                    window_losses = []
-                bar.update()
-            if window_losses:  # the epoch's last steps, short of a full window
-                check_finite(torch.stack(window_losses), step, rank)
-            bar.close()
-            throughput.pause()
-
-            # --- evaluate --------------------------------------------------------------------
-            with precision.autocast():
-                test_loss, test_accuracy = evaluate(
-                    unwrap(model), test_x, test_y, cfg.test_batch_size, rank, world_size
-                )
-            scheduler.step()
-            epoch_seconds = time.perf_counter() - epoch_started
-            rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
-            if rank == 0:
-                scalars.add(
-                    step, **{"test/loss": test_loss, "test/accuracy": test_accuracy, "perf/epoch_time_s": epoch_seconds}
-                )
-                checkpoint.save(
-                    {
-                        "model": plain_state_dict(model),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": precision.scaler.state_dict(),
-                        "epoch": epoch,
-                        "step": step,
-                        "rng": rng,
-                        "world_size": world_size,
-                        "config": config_yaml,
-                    },
-                    run_dir / "checkpoint.pt",
-                )
-            log.info(
-                "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
-                epoch,
-                test_loss,
-                100 * test_accuracy,
-                epoch_seconds,
-            )
-
-        # --- tear down -----------------------------------------------------------------------
-        images, seconds = all_reduce([throughput.total_images, throughput.total_seconds])
-        results = {
-            "mode": cfg.mode.name,
-            "world_size": world_size,
-            "device": device,
-            "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size,
-            "test_accuracy": test_accuracy,
-            "test_loss": test_loss,
-            # All ranks step together, so the sum of their images over the mean time is the global rate.
-            "train_images_per_s": images / (seconds / world_size) if seconds else 0.0,
-            "wall_time_s": time.perf_counter() - started,
-            "step_time_ms": timer.means_ms(),  # rank 0's, from the sampled steps
-            "peak_rss_mib": per_rank(peak_rss_mib(), rank, world_size),
-            "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20, rank, world_size)
-            if torch_device.type == "cuda"
-            else None,
-        }
-        if rank == 0:
-            checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
-            checkpoint.save_json(results, run_dir / "results.json")
-            scalars.add(step, **{"results/images_per_s": results["train_images_per_s"]})
-            scalars.hparams(
-                {
-                    "mode": cfg.mode.name,
-                    "world_size": world_size,
-                    "batch_size": cfg.batch_size,
-                    "lr": cfg.optim.lr,
-                    "seed": cfg.seed,
-                },
-                ["test/accuracy", "test/loss", "results/images_per_s"],
-            )
-            log.info("results: %s", results)
-        if dist.is_initialized():
-            dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
-            dist.destroy_process_group()
-        return results
+            run_epoch(run, epoch)
+            evaluate_epoch(run, epoch, epoch_started)
+        return finish(run, time.perf_counter() - started)
     except Exception:
         # The process group is left as it is: closing it now would make the other ranks fail
         # before this one has reported, and the launcher names the rank that failed first.
-        log.exception("rank %d failed", rank)
+        log.exception("rank %d failed", topology.rank)
         raise
     finally:
         scalars.close()
+
+
+def build(
+    cfg: Config,
+    topology: Topology,
+    run_dir: Path,
+    raw_dir: Path,
+    device: torch.device,
+    scalars: Scalars,
+    resumed: dict | None,
+) -> Run:
+    """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if topology.rank == 0:
+        log.info("config:\n%s", config_yaml)
+        (run_dir / "config.yaml").write_text(config_yaml)
+    train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
+    test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
+    if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
+        train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
+    model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)
+    random.seed(cfg.seed + topology.rank)
+    torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
+    optimizer = instantiate(cfg.optim)(model.parameters())
+    run = Run(
+        cfg,
+        topology,
+        run_dir,
+        config_yaml,
+        scalars,
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        model,
+        optimizer,
+        instantiate(cfg.scheduler)(optimizer),
+        Precision(cfg.amp, device),
+        after_backward(model, cfg.mode),
+        Throughput(device, cfg.warmup_steps),
+        StepTimer(device),
+    )
+    if resumed:
+        restore(run, resumed)
+    log.info(
+        "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
+        cfg.mode.name,
+        topology.device_type,
+        topology.world_size,
+        cfg.batch_size,
+        topology.batch,
+        steps_per_epoch(len(train_x), cfg.batch_size),
+    )
+    return run
+
+
+def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
+    """The plain model, before any mode wraps it: the same initial weights in every mode and on every rank."""
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)
+    if resumed:
+        model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model.compile()  # in place: parameter names, hooks and checkpoints stay as they are
+    return model
+
+
+def restore(run: Run, resumed: dict) -> None:
+    """Puts a checkpoint's optimizer, scheduler, loss scale, random state and position into ``run``."""
+    run.optimizer.load_state_dict(resumed["optimizer"])
+    run.scheduler.load_state_dict(resumed["scheduler"])
+    run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
+    run.first_epoch, run.step = resumed["epoch"] + 1, resumed["step"]
+    checkpoint.restore_rng(resumed["rng"], run.topology.rank)
+    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
+
+
+def run_epoch(run: Run, epoch: int) -> None:
+    """One pass over the training set: this rank's share of every global batch, in the epoch's order."""
+    cfg, rank = run.cfg, run.topology.rank
+    run.model.train()
+    order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
+    window_losses = []  # kept on the device: no sync per step
+    bar = tqdm(
+        total=steps_per_epoch(len(run.train_x), cfg.batch_size),
+        desc=f"epoch {epoch}/{cfg.epochs}",
+        leave=False,
+        disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
+        dynamic_ncols=True,
+    )
+    for indices in rank_batches(order, cfg.batch_size, rank, run.topology.world_size):
+        run.step += 1
+        run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
+        x, y = run.train_x[indices], run.train_y[indices]
+        run.timer.mark("data")
+        loss = train_step(run.model, run.optimizer, run.after_backward, x, y, run.precision, run.timer.mark)
+        window_losses.append(loss.detach())
+        run.throughput.step(len(indices))
+        if run.step % cfg.log_every == 0:
+            loss_value = check_finite(torch.stack(window_losses), run.step, rank).mean().item()
+            log_window(run, loss_value, bar)
+            window_losses = []
+        bar.update()
+    if window_losses:  # the epoch's last steps, short of a full window
+        check_finite(torch.stack(window_losses), run.step, rank)
+    bar.close()
+    run.throughput.pause()
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    after_backward: Callable[[], None],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: Precision,
+    mark: Callable[[str], None],
+) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch; returns its loss.
+
+    ``mark(phase)`` ends a phase for the step timer; ``after_backward`` is the mode's (our DDP: wait
+    for the gradients' all-reduce), so its phase is the communication backward did not hide.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    with precision.autocast():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
+    precision.scaler.scale(loss).backward()
+    mark("forward_backward")
+    after_backward()
+    mark("comm_wait")
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    mark("optimizer")
+    return loss
+
+
+def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
+    """Test loss and accuracy, the scheduler's step, and (rank 0) the scalars and the checkpoint."""
+    with run.precision.autocast():
+        run.test_loss, run.test_accuracy = evaluate(
+            unwrap(run.model),
+            run.test_x,
+            run.test_y,
+            run.cfg.test_batch_size,
+            run.topology.rank,
+            run.topology.world_size,
+        )
+    run.scheduler.step()
+    epoch_seconds = time.perf_counter() - epoch_started
+    rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
+    if run.topology.rank == 0:
+        tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
+        run.scalars.add(run.step, **tags)
+        state = {
+            "model": plain_state_dict(run.model),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.precision.scaler.state_dict(),
+            "epoch": epoch,
+            "step": run.step,
+            "rng": rng,
+            "world_size": run.topology.world_size,
+            "config": run.config_yaml,
+        }
+        checkpoint.save(state, run.run_dir / "checkpoint.pt")
+    log.info(
+        "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
+        epoch,
+        run.test_loss,
+        100 * run.test_accuracy,
+        epoch_seconds,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
+) -> tuple[float, float]:
+    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
+    model.eval()
+    share = eval_shard(len(x), rank, world_size)
+    loss_sum, correct = 0.0, 0
+    for start in range(share.start, share.stop, batch_size):
+        stop = min(start + batch_size, share.stop)
+        logits = model(x[start:stop])
+        labels = y[start:stop].to(logits.device)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
+    loss_sum, correct = all_reduce([loss_sum, correct])
+    return loss_sum / len(x), correct / len(x)
+
+
+def finish(run: Run, wall_time_s: float) -> dict:
+    """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
+    cfg, topology = run.cfg, run.topology
+    results = {
+        "mode": cfg.mode.name,  # the choice (dp_block, not dp)
+        "world_size": topology.world_size,
+        "device": topology.device_type,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "test_accuracy": run.test_accuracy,
+        "test_loss": run.test_loss,
+        "train_images_per_s": global_images_per_s(run.throughput.total_images, run.throughput.total_seconds),
+        "wall_time_s": wall_time_s,
+        "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
+        "peak_rss_mib": per_rank(peak_rss_mib(), topology.rank, topology.world_size),
+        "cuda_max_allocated_mib": per_rank(
+            torch.cuda.max_memory_allocated() / 2**20, topology.rank, topology.world_size
+        )
+        if topology.device_type == "cuda"
+        else None,
+    }
+    if topology.rank == 0:
+        checkpoint.save(plain_state_dict(run.model), run.run_dir / "model.pt")
+        checkpoint.save_json(results, run.run_dir / "results.json")
+        run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
+        hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
+        hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
+        run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
+        log.info("results: %s", results)
+    if dist.is_initialized():
+        dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
+        dist.destroy_process_group()
+    return results
 
 
 class TrainingDiverged(RuntimeError):
@@ -225,60 +335,32 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return losses
 
 
-def train_step(model, optimizer, finish_sync, x, y, precision: Precision, mark) -> torch.Tensor:
-    """One optimizer step on this rank's share of the global batch; returns its loss.
+def global_images_per_s(images: float, seconds: float) -> float:
+    """The job's images/s: every rank's images over the slowest rank's time (a collective: all ranks call).
 
-    ``mark(phase)`` ends a phase for the step timer; ``finish_sync`` waits for the gradients'
-    all-reduce (our DDP; a no-op elsewhere), so its phase is the communication backward did not hide.
+    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
+    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
     """
-    optimizer.zero_grad(set_to_none=True)
-    with precision.autocast():
-        logits = model(x)
-        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    precision.scaler.scale(loss).backward()
-    mark("forward_backward")
-    finish_sync()
-    mark("comm_wait")
-    precision.scaler.step(optimizer)
-    precision.scaler.update()
-    mark("optimizer")
-    return loss
+    (total,) = all_reduce([images])
+    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)
+    return total / slowest if slowest else 0.0
 
 
-@torch.no_grad()
-def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[float, float]:
-    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
-    model.eval()
-    share = eval_shard(len(x), rank, world_size)
-    loss_sum, correct = 0.0, 0
-    for start in range(share.start, share.stop, batch_size):
-        stop = min(start + batch_size, share.stop)
-        logits = model(x[start:stop])
-        labels = y[start:stop].to(logits.device)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
-    loss_sum, correct = all_reduce([loss_sum, correct])
-    return loss_sum / len(x), correct / len(x)
-
-
-def log_window(
-    scalars: Scalars, throughput: Throughput, timer: StepTimer, step: int, rank: int, loss: float, lr: float, bar: tqdm
-) -> None:
+def log_window(run: Run, loss: float, bar: tqdm) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
-    window = throughput.lap()
-    images, seconds = window or (0, 0.0)
-    tags = {"train/loss": loss, **{f"time/{phase}_ms": ms for phase, ms in timer.lap().items()}}
-    if window:
+    images, seconds = run.throughput.lap() or (0, 0.0)
+    tags = {"train/loss": loss, **{f"time/{phase}_ms": ms for phase, ms in run.timer.lap().items()}}
+    if seconds:
         tags["perf/images_per_s"] = images / seconds
-    global_loss, global_images = all_reduce([loss, images])
-    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)  # the global rate is set by the slowest rank
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if rank == 0:
-        tags.update({"train/loss_global": global_loss / world_size, "train/lr": lr})
-        if slowest:
-            tags["perf/images_per_s_global"] = global_images / slowest
-        bar.set_postfix(loss=f"{global_loss / world_size:.4f}", img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
-    scalars.add(step, **tags)
+    (global_loss,) = all_reduce([loss])
+    rate = global_images_per_s(images, seconds)
+    if run.topology.rank == 0:
+        global_loss /= run.topology.world_size
+        tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})
+        if rate:
+            tags["perf/images_per_s_global"] = rate
+        bar.set_postfix(loss=f"{global_loss:.4f}", img_s=f"{rate:.0f}")
+    run.scalars.add(run.step, **tags)
 
 
 def peak_rss_mib() -> float:
@@ -304,25 +386,3 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
-
-
-def setup_process(cfg: Config, device: str, rank: int, world_size: int, local_rank: int) -> torch.device:
-    """This process's device, its process group (ddp modes), and deterministic kernels if asked."""
-    if cfg.deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # warn_only: an op with no deterministic kernel warns (naming itself) instead of stopping the run.
-    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
-    torch.backends.cudnn.deterministic = cfg.deterministic
-    torch.backends.cudnn.benchmark = not cfg.deterministic
-    torch_device = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
-    if torch_device.type == "cuda":
-        torch.cuda.set_device(torch_device)
-    if cfg.mode.name in DISTRIBUTED_MODES and not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=cfg.dist.timeout_s),
-        )
-    return torch_device

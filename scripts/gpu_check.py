@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist.modes import MODES, DataParallelMode
 from mnist_dist.synthetic import write_idx
 
 AGREE_STEPS = 20
@@ -46,15 +47,8 @@ def main() -> int:
     batch = 128 // gpus * gpus
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=args.train_images, n_test=2_000)
-    modes = {
-        "single": 1,
-        "dp": gpus,
-        "dp_block": gpus,
-        "dp_functional": gpus,
-        "split": min(gpus, 2),
-        "ddp": gpus,
-        "torch_ddp": gpus,
-    }
+    # Every mode of the table, on as many devices as it can use.
+    modes = {name: mode.devices(gpus) for name, mode in MODES.items()}
     rows, curves, failed = [], {}, []
     for mode, mode_gpus in modes.items():
         run_dir = work / "runs" / mode
@@ -82,7 +76,7 @@ def main() -> int:
         results = json.loads((run_dir / "results.json").read_text())
         curves[mode] = losses(run_dir)
         rows.append((mode, mode_gpus, results["train_images_per_s"], curves[mode][-1]))
-    for mode in ("dp", "dp_block", "dp_functional"):
+    for mode in [name for name, entry in MODES.items() if entry.schema is DataParallelMode]:
         if mode in curves and "single" in curves:
             ours = torch.tensor(curves[mode][:AGREE_STEPS])
             reference = torch.tensor(curves["single"][:AGREE_STEPS])

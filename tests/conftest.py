@@ -3,8 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+import torch
 
 from mnist_dist.synthetic import write_idx
 
@@ -14,7 +13,24 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
+from helpers import compose_config  # noqa: E402  (needs tests/ on the path)
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_flags():
+    """The trainer sets process-wide flags (deterministic kernels, cuDNN, threads); an in-process run
+    must not change what the next test sees."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.get_num_threads(),
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+    torch.set_num_threads(saved[4])
 
 
 @pytest.fixture(scope="session")
@@ -23,13 +39,6 @@ def tiny_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     write_idx(root / "MNIST" / "raw")
     return root
-
-
-def compose_config(data_root: Path, *overrides: str):
-    """The Config the CLI would run with these overrides, on the data in ``data_root``, no bar."""
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[f"data.root={data_root}", "data.mirrors=[]", "progress=false", *overrides])
-    return OmegaConf.to_object(cfg)
 
 
 @pytest.fixture

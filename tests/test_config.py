@@ -6,6 +6,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from torch import nn
 
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.data import official_mirrors
@@ -19,9 +21,35 @@ def cli(*overrides: str, cwd) -> subprocess.CompletedProcess:
 
 def test_defaults_follow_the_classic_recipe(make_config):
     cfg = make_config()
-    assert (cfg.mode.name, cfg.optim.name, cfg.optim.lr, cfg.optim.gamma) == ("single", "Adadelta", 1.0, 0.7)
+    assert cfg.mode.name == "single"
+    assert cfg.optim == {"_target_": "torch.optim.Adadelta", "_partial_": True, "lr": 1.0}
+    assert cfg.scheduler == {
+        "_target_": "torch.optim.lr_scheduler.StepLR",
+        "_partial_": True,
+        "step_size": 1,
+        "gamma": 0.7,
+    }
     assert (cfg.batch_size, cfg.test_batch_size, cfg.epochs, cfg.gpus) == (64, 1000, 14, 1)
     assert cfg.model == {"_target_": "mnist_dist.model.ConvNet", "dropout": True}
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["optim=sgd", "optim.momentum=0.9"], {"lr": 0.1, "momentum": 0.9}),
+        (["optim=adamw", "optim.betas=[0.8,0.9]"], {"lr": 0.001, "betas": [0.8, 0.9], "weight_decay": 0.01}),
+        (["optim.rho=0.5"], {"lr": 1.0, "rho": 0.5}),  # any constructor argument of the class
+    ],
+)
+def test_optimizer_and_scheduler_are_built_from_their_config(make_config, overrides, expected):
+    cfg = make_config(*overrides, "scheduler.gamma=0.5")
+    optimizer = instantiate(cfg.optim)(nn.Linear(2, 2).parameters())
+    assert type(optimizer).__name__ == cfg.optim["_target_"].split(".")[-1]
+    assert {key: optimizer.defaults[key] for key in expected} == {
+        k: tuple(v) if isinstance(v, list) else v for k, v in expected.items()
+    }
+    scheduler = instantiate(cfg.scheduler)(optimizer)
+    assert (type(scheduler).__name__, scheduler.gamma, scheduler.step_size) == ("StepLR", 0.5, 1)
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist"])
@@ -49,15 +77,20 @@ def test_unknown_key_fails_while_composing():
     "override, expected",
     [
         ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
-        ("mode.nme=x", "Key 'nme' not in 'ModeConfig'; valid keys: name, dp_block, dp_functional,"),
+        ("mode.nme=x", "Key 'nme' not in 'SingleMode'; valid keys: name\n"),
+        (
+            "mode.message_size=5",  # a knob of another mode
+            "error: Could not override 'mode.message_size': Key 'message_size' not in 'SingleMode'; valid keys: name\n",
+        ),
+        ("amp=fp8", "error: Error merging override amp=fp8: Invalid value 'fp8', expected one of [off, bf16, fp16]\n"),
         (
             "epochs=abc",
             "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be converted to Integer",
         ),
         (
             "mode=foo",
-            "error: In 'config': Could not find 'mode/foo'; Available options in 'mode': ddp, "
-            "dp, dp_block, dp_functional, single, split, torch_ddp",
+            "error: mode=foo is not an option; choose one of "
+            "ddp, dp, dp_block, dp_functional, single, split, torch_ddp",
         ),
     ],
 )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_ranks
+from helpers import run_ranks
 from torch import nn
 
 from mnist_dist.model import ConvNet

@@ -1,14 +1,17 @@
 """The DataParallel family and the split model: same loss curve as single mode, plain checkpoints."""
 
+import json
+
 import pytest
 import torch
-from test_train import scalars
+from helpers import compose_config, scalars
 from torch import nn
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
-from mnist_dist.parallel import plain_state_dict, wrap_model
+from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.parallel import plain_state_dict
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 VARIANTS = ["dp", "dp_block", "dp_functional", "split"]
@@ -17,8 +20,6 @@ VARIANTS = ["dp", "dp_block", "dp_functional", "split"]
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory, tiny_root):
     """train/loss at each of 20 steps, and the final weights, per mode; dropout off."""
-    from conftest import compose_config
-
     out = {}
     for mode in ["single", *VARIANTS]:
         run_dir = tmp_path_factory.mktemp(mode)
@@ -28,14 +29,16 @@ def curves(tmp_path_factory, tiny_root):
             ),
             run_dir,
         )
-        out[mode] = scalars(run_dir, 0)["train/loss"], torch.load(run_dir / "model.pt")
+        recorded = json.loads((run_dir / "results.json").read_text())["mode"]
+        out[mode] = scalars(run_dir, 0)["train/loss"], torch.load(run_dir / "model.pt"), recorded
     return out
 
 
 @pytest.mark.parametrize("mode", VARIANTS)
 def test_variant_learns_the_same_curve_as_single(curves, mode):
-    single, _ = curves["single"]
-    losses, weights = curves[mode]
+    single, _, _ = curves["single"]
+    losses, weights, recorded = curves[mode]
+    assert recorded == mode  # the choice (dp_block), not the family (dp)
     assert len(losses) == 20
     assert losses[-1] < 0.7 * losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=1e-5)
@@ -43,20 +46,18 @@ def test_variant_learns_the_same_curve_as_single(curves, mode):
 
 
 def mode(name, **options):
-    from mnist_dist.config import ModeConfig
-
-    return ModeConfig(name=name, **options)
+    return MODES[name].schema(name=name, **options)
 
 
 def test_dp_block_wraps_only_that_block_and_saves_plain_keys():
-    model = wrap_model(ConvNet(), mode("dp", dp_block="features"), torch.device("cpu"))
+    model = wrap_model(ConvNet(), mode("dp_block", dp_block="features"), torch.device("cpu"))
     assert isinstance(model.features, nn.DataParallel) and not isinstance(model.classifier, nn.DataParallel)
     assert list(plain_state_dict(model)) == list(ConvNet().state_dict())
 
 
 def test_unknown_block_names_the_submodules():
     with pytest.raises(ConfigError, match="ConvNet has no submodule 'block2'; its submodules: features, classifier"):
-        wrap_model(ConvNet(), mode("dp", dp_block="block2"), torch.device("cpu"))
+        wrap_model(ConvNet(), mode("dp_block", dp_block="block2"), torch.device("cpu"))
 
 
 @cuda

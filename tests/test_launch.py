@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FASHION
+from helpers import FASHION
 
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
@@ -40,7 +40,7 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
 def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
     result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY)
     assert result.returncode == 0, result.stderr
-    assert "no CUDA device: running 2 CPU workers with gloo" in result.stderr
+    assert "no CUDA device: mode=ddp runs on the CPU in 2 processes with gloo" in result.stderr
     assert "[rank 1]" not in result.stderr  # rank 0 alone talks to the console
     assert_complete_run(tmp_path / "run", "ddp", 2)
 
@@ -112,7 +112,7 @@ def test_one_epoch_of_fashion_mnist_reaches_85_percent(tmp_path, mode, gpus):
 def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
     result = cli(tmp_path / "run", "mode=dp_functional", "gpus=2", f"data.root={tiny_root}", *TINY)
     assert result.returncode == 0, result.stderr
-    assert "no CUDA device: mode=dp runs its CPU equivalent in one process" in result.stderr
+    assert "no CUDA device: mode=dp_functional runs on the CPU in one process: DataParallel passes" in result.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["world_size"] == 1
 
 

@@ -10,13 +10,14 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from test_train import scalars
+from helpers import compose_config, scalars
 from torch import nn
 
-from mnist_dist.config import ConfigError, ModeConfig
+from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import ResNet
-from mnist_dist.parallel import plain_state_dict, wrap_model
+from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
+from mnist_dist.parallel import plain_state_dict
 
 # 640 tiny images at a global batch of 32: 20 steps, a loss value every 5.
 RESNET = ["model=resnet", "epochs=1", "batch_size=32", "log_every=5"]
@@ -41,8 +42,6 @@ class TinyNet(nn.Module):
 @pytest.fixture(scope="module")
 def resnet_runs(tmp_path_factory, tiny_root):
     """Run directory and results of the ResNet in single mode and in ddp on 2 ranks."""
-    from conftest import compose_config
-
     out = {}
     for mode in ("single", "ddp"):
         run_dir = tmp_path_factory.mktemp(f"resnet_{mode}")
@@ -123,13 +122,13 @@ def test_sync_batchnorm_converts_the_layers_and_is_refused_on_cpu_by_torch(one_r
     def batchnorms(model):
         return [type(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
-    plain = wrap_model(ResNet(), ModeConfig(name="ddp"), torch.device("cpu"))
+    plain = wrap_model(ResNet(), DDPMode(), torch.device("cpu"))
     assert batchnorms(plain) == [nn.BatchNorm2d] * 9
-    synced = wrap_model(ResNet(), ModeConfig(name="ddp", sync_batchnorm=True), torch.device("cpu"))
+    synced = wrap_model(ResNet(), DDPMode(sync_batchnorm=True), torch.device("cpu"))
     assert batchnorms(synced) == [nn.SyncBatchNorm] * 9
     ResNet().load_state_dict(plain_state_dict(synced))  # same keys as BatchNorm's
     # Why the launcher refuses it on CPU (torch 2.14): SyncBatchNorm's forward and torch DDP both do.
     with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
         synced(torch.randn(4, 1, 28, 28))
     with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
-        wrap_model(ResNet(), ModeConfig(name="torch_ddp", sync_batchnorm=True), torch.device("cpu"))
+        wrap_model(ResNet(), TorchDDPMode(sync_batchnorm=True), torch.device("cpu"))

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from helpers import run_ranks
 
 from mnist_dist.config import ConfigError
-from mnist_dist.launch import resolve_device
 from mnist_dist.parallel import DistributedDataParallel
+from mnist_dist.topology import resolve
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]
 
@@ -38,7 +38,7 @@ def finish(process, timeout=120):
 def test_fewer_gpus_than_asked_is_one_line(make_config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError) as error:
-        resolve_device(make_config("mode=ddp", "gpus=4", "device=cuda"))
+        resolve(make_config("mode=ddp", "gpus=4", "device=cuda"))
     assert str(error.value) == (
         "device=cuda needs 4 CUDA device(s) for gpus=4 but 2 are visible; use gpus=2 or device=cpu"
     )

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_train import scalars
+from helpers import scalars
 
 from mnist_dist import checkpoint
 from mnist_dist.compare import compare

@@ -1,7 +1,5 @@
-"""Applying a mode to a plain model (the one place where distribution enters the model), and starting
-the processes that run it.
-
-Usable from your own script, with nothing of MNIST (see examples/ddp_regression.py)::
+"""Data parallelism for any ``nn.Module``, usable from your own script with nothing of MNIST or of this
+app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression.py)::
 
     from mnist_dist.parallel import DistributedDataParallel, spawn
 
@@ -12,66 +10,32 @@ Usable from your own script, with nothing of MNIST (see examples/ddp_regression.
 
     if __name__ == "__main__":
         spawn(worker, 2)
+
+The app applies its modes with these in ``mnist_dist/modes.py``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.config import DISTRIBUTED_MODES, ModeConfig
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 from mnist_dist.parallel.spawn import WorkerFailed, spawn
 
 __all__ = [
     "DistributedDataParallel",
-    "wrap_model",
+    "FunctionalDataParallel",
+    "data_parallel",
+    "split",
     "unwrap",
     "plain_state_dict",
-    "gradient_sync",
     "spawn",
     "WorkerFailed",
 ]
 
 _WRAPPERS = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
-
-
-def wrap_model(model: nn.Module, mode: ModeConfig, device: torch.device, gpus: int = 1) -> nn.Module:
-    """Places ``model`` and wraps it for ``mode``; the process group must exist for ddp modes.
-
-    ``device`` is this process's device (cuda:<local rank> or cpu); dp and split use ``gpus`` devices.
-    """
-    if mode.name == "split":
-        first, second = (
-            ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else ("cpu", device)
-        )  # one GPU: the tutorial's CPU + GPU example; no GPU: both on the CPU
-        return split(model, mode.split_at, torch.device(first), torch.device(second))
-    model = model.to(device)
-    if mode.sync_batchnorm and mode.name in DISTRIBUTED_MODES:
-        # Before wrapping, so that the wrapper registers the converted layers (same parameters).
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if mode.name == "dp":
-        device_ids = list(range(gpus)) if device.type == "cuda" else []  # [] : a pass-through on CPU
-        return data_parallel(model, device_ids, mode.dp_block, mode.dp_functional)
-    if mode.name == "ddp":
-        return DistributedDataParallel(
-            model,
-            message_size=mode.message_size,
-            overlap=mode.overlap,
-            find_unused_parameters=mode.find_unused_parameters,
-            compress_bf16=mode.compress_bf16,
-        )
-    if mode.name == "torch_ddp":
-        return TorchDDP(
-            model,
-            device_ids=[device] if device.type == "cuda" else None,
-            find_unused_parameters=mode.find_unused_parameters,
-        )
-    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -91,13 +55,3 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 key = prefix + key[len(prefix + "module.") :]
         state[key] = value
     return state
-
-
-def gradient_sync(model: nn.Module) -> Callable[[], None]:
-    """What the training step calls between backward and optimizer.step().
-
-    Only our DDP needs it; torch DDP finishes its all-reduce inside backward.
-    """
-    if isinstance(model, DistributedDataParallel):
-        return model.finish_gradient_sync
-    return lambda: None

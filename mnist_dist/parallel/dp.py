@@ -16,8 +16,6 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
 
-from mnist_dist.config import ConfigError
-
 
 class FunctionalDataParallel(nn.Module):
     """What ``nn.DataParallel`` does on each forward, spelt out. Without devices it is a pass-through."""
@@ -67,7 +65,8 @@ def split(model: nn.Module, split_at: str, first, second) -> nn.Module:
 
 
 def child(model: nn.Module, name: str) -> nn.Module:
+    """The direct submodule ``name`` of ``model``, or a ValueError listing the ones it has."""
     children = dict(model.named_children())
     if name not in children:
-        raise ConfigError(f"{type(model).__name__} has no submodule {name!r}; its submodules: {', '.join(children)}")
+        raise ValueError(f"{type(model).__name__} has no submodule {name!r}; its submodules: {', '.join(children)}")
     return children[name]

@@ -10,7 +10,6 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -19,7 +18,7 @@ class WorkerFailed(RuntimeError):
     """A worker raised or died; the message names the rank."""
 
 
-def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str | None = None, port: int = 0) -> None:
+def spawn(fn: Callable[..., object], world_size: int, *args, log_path: str | None = None, port: int = 0) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
     Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
@@ -29,8 +28,8 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str
 
     A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
-    ``<log_dir>/rank_<r>.log`` if ``fn`` writes one there; without ``log_dir`` a failing worker prints
-    its traceback to stderr. Ctrl-C in the parent stops every worker too.
+    ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
+    ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker too.
     """
     port = port or _free_port()
     context = mp.get_context("spawn")
@@ -40,14 +39,14 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_dir: Path | str
         context.Process(
             target=_worker,
             name=f"rank_{rank}",
-            args=(fn, rank, world_size, port, args, log_dir is None, report_ends[rank]),
+            args=(fn, rank, world_size, port, args, log_path is None, report_ends[rank]),
         )
         for rank in range(world_size)
     ]
     for worker in workers:
         worker.start()
     try:
-        _supervise(workers, reports, log_dir)
+        _supervise(workers, reports, log_path)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
 
@@ -65,7 +64,7 @@ def _worker(
         sys.exit(1)
 
 
-def _supervise(workers: list, reports: tuple, log_dir: Path | str | None) -> None:
+def _supervise(workers: list, reports: tuple, log_path: str | None) -> None:
     """Waits for every worker; when one fails, raises WorkerFailed naming the rank at the root of it.
 
     When one rank fails its peers fail too, a moment later, in their next collective ("connection
@@ -85,7 +84,7 @@ def _supervise(workers: list, reports: tuple, log_dir: Path | str | None) -> Non
                 rank, reason = silent[0], _exit_reason(workers[silent[0]].exitcode)
             else:
                 _, rank, reason = reported[0]
-            where = f" (log: {log_dir}/rank_{rank}.log)" if log_dir is not None else ""
+            where = f" (log: {log_path.format(rank=rank)})" if log_path is not None else ""
             raise WorkerFailed(f"rank {rank} failed: {reason}{where}")
 
 

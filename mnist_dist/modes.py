@@ -1,0 +1,205 @@
+"""The mode table: what each mode is, in one entry, read by validation, launch, the worker and the tools.
+
+An entry says how the mode wraps a plain model, how many processes it runs, whether one process drives
+all ``gpus`` devices, whether it needs a process group, what it says when it runs without CUDA, and
+what a training step does after backward. Each mode also has a structured config (its knobs, with
+their defaults), so a knob of another mode is an error while the config is composed.
+
+Adding a mode is one entry here (``register``) and one YAML in ``conf/mode/`` that names it::
+
+    # conf/mode/my_mode.yaml
+    defaults:
+      - /mode_schema@_here_: my_mode
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from hydra.core.config_store import ConfigStore
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from mnist_dist.errors import ConfigError
+from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
+
+
+class Processes(Enum):
+    ONE = "one"  # the worker runs in the launching process
+    PER_DEVICE = "per device"  # one worker process per device: `gpus` of them
+
+
+@dataclass
+class SingleMode:
+    name: str = "single"
+
+
+@dataclass
+class DataParallelMode:
+    name: str = "dp"
+    dp_block: str = ""  # wrap only this submodule (e.g. features) in DataParallel; "" = the whole model
+    dp_functional: bool = False  # replicate/scatter/parallel_apply/gather by hand, not nn.DataParallel
+
+
+@dataclass
+class SplitMode:
+    name: str = "split"
+    split_at: str = "classifier"  # this submodule and those after it run on the second device
+
+
+@dataclass
+class TorchDDPMode:
+    name: str = "torch_ddp"
+    find_unused_parameters: bool = False  # allow parameters that get no gradient
+    # BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the global batch
+    # instead of each rank's share, at the cost of a collective per layer in forward and in backward.
+    # It matters when that share is small (below about 16 images; rarely at 32 or more), and
+    # batch_size is global, so more ranks mean smaller shares. CUDA only: torch's SyncBatchNorm does
+    # not run on CPU tensors.
+    sync_batchnorm: bool = False
+
+
+@dataclass
+class DDPMode(TorchDDPMode):
+    name: str = "ddp"
+    # Elements per all-reduce bucket (1M = 4 MB of fp32). Smaller buckets start communicating earlier
+    # in backward, larger ones send fewer messages. apex used 10M, which puts this convnet's 1.2M
+    # parameters in one bucket and so overlaps nothing; 1M sends fc1 (98 % of them) while the
+    # convolutions' backward still runs.
+    message_size: int = 1_000_000
+    overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
+    compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
+
+
+# wrap(model, mode config, device of this process, gpus) -> the model placed and wrapped
+Wrap = Callable[[nn.Module, Any, torch.device, int], nn.Module]
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # the choice: mode=<name>, conf/mode/<name>.yaml, results.json's "mode"
+    schema: type  # its structured config: the knobs it has, with their defaults
+    wrap: Wrap
+    processes: Processes = Processes.ONE
+    all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
+    max_gpus: int | None = None  # the most devices the mode can use
+    process_group: bool = False  # needs torch.distributed initialised before wrap
+    # Said when the mode runs on the CPU because no CUDA device is visible; {world_size} is filled in.
+    without_cuda: str = ""
+    # What a training step calls between backward and optimizer.step(), given the wrapped model.
+    after_backward: Callable[[nn.Module], Callable[[], None]] | None = None
+
+    def devices(self, gpus: int) -> int:
+        """CUDA devices the job drives for ``gpus``: one per process, or all of them for an all-GPU mode."""
+        if self.all_gpus or self.processes is Processes.PER_DEVICE:
+            return min(gpus, self.max_gpus or gpus)
+        return 1
+
+
+MODES: dict[str, Mode] = {}
+
+
+def register(mode: Mode) -> Mode:
+    """Adds ``mode`` to the table and its structured config to Hydra as ``mode_schema/<name>``."""
+    MODES[mode.name] = mode
+    ConfigStore.instance().store(group="mode_schema", name=mode.name, node=mode.schema(name=mode.name))
+    return mode
+
+
+def devices_needed(cfg: Any) -> int:
+    """CUDA devices the job drives: one per process, or `gpus` for a mode whose process drives them all."""
+    return MODES[cfg.mode.name].devices(cfg.gpus)
+
+
+def world_size(cfg: Any) -> int:
+    """Number of worker processes."""
+    return cfg.gpus if MODES[cfg.mode.name].processes is Processes.PER_DEVICE else 1
+
+
+def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1) -> nn.Module:
+    """Places ``model`` and applies ``mode`` (a mode config): the one place distribution enters a model.
+
+    ``device`` is this process's device (cuda:<local rank> or cpu); dp and split use ``gpus`` devices.
+    The process group must exist for the modes that need one.
+    """
+    return MODES[mode.name].wrap(model, mode, device, gpus)
+
+
+def after_backward(model: nn.Module, mode: Any) -> Callable[[], None]:
+    """What the step calls between backward and optimizer.step() in ``mode`` (a no-op in most)."""
+    make = MODES[mode.name].after_backward
+    return make(model) if make else _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+def _single(model: nn.Module, mode: SingleMode, device: torch.device, gpus: int) -> nn.Module:
+    return model.to(device)
+
+
+def _data_parallel(model: nn.Module, mode: DataParallelMode, device: torch.device, gpus: int) -> nn.Module:
+    device_ids = list(range(gpus)) if device.type == "cuda" else []  # []: a pass-through on CPU
+    try:
+        return data_parallel(model.to(device), device_ids, mode.dp_block, mode.dp_functional)
+    except ValueError as error:  # the model has no submodule of that name
+        raise ConfigError(error.args[0]) from None
+
+
+def _split(model: nn.Module, mode: SplitMode, device: torch.device, gpus: int) -> nn.Module:
+    # Two GPUs: one part on each. One GPU: the tutorial's CPU + GPU example. No GPU: both on the CPU.
+    first, second = ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else ("cpu", device)
+    try:
+        return split(model, mode.split_at, torch.device(first), torch.device(second))
+    except ValueError as error:
+        raise ConfigError(error.args[0]) from None
+
+
+def _sync_batchnorm(model: nn.Module, mode: TorchDDPMode, device: torch.device) -> nn.Module:
+    model = model.to(device)
+    # Before wrapping, so that the wrapper registers the converted layers (same parameters).
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if mode.sync_batchnorm else model
+
+
+def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn.Module:
+    return DistributedDataParallel(
+        _sync_batchnorm(model, mode, device),
+        message_size=mode.message_size,
+        overlap=mode.overlap,
+        find_unused_parameters=mode.find_unused_parameters,
+        compress_bf16=mode.compress_bf16,
+    )
+
+
+def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
+    return TorchDDP(
+        _sync_batchnorm(model, mode, device),
+        device_ids=[device] if device.type == "cuda" else None,
+        find_unused_parameters=mode.find_unused_parameters,
+    )
+
+
+_DP_ON_CPU = "in one process: DataParallel passes the whole batch through"
+register(Mode("single", SingleMode, _single))
+for _name in ("dp", "dp_block", "dp_functional"):
+    register(Mode(_name, DataParallelMode, _data_parallel, all_gpus=True, without_cuda=_DP_ON_CPU))
+_SPLIT_ON_CPU = "in one process: both parts stay on the CPU"
+register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cuda=_SPLIT_ON_CPU))
+_GLOO = "in {world_size} processes with gloo"
+register(
+    Mode(
+        "ddp",
+        DDPMode,
+        _ddp,
+        Processes.PER_DEVICE,
+        process_group=True,
+        without_cuda=_GLOO,
+        after_backward=lambda model: model.finish_gradient_sync,
+    )
+)
+register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))

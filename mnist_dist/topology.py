@@ -1,0 +1,122 @@
+"""Where a job runs, resolved once: the mode, the device, how many processes and which one this is.
+
+The parent resolves it (``resolve``) before any worker starts and hands each worker its copy
+(``for_rank``); under torchrun each process reads the same object from its environment (``from_env``).
+``setup_process`` is the one place a process is set up: threads, deterministic kernels, its device and
+its process group. In the spirit of torchtitan's ``ParallelDims``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mnist_dist.config import Config
+from mnist_dist.errors import ConfigError
+from mnist_dist.modes import MODES, Processes, devices_needed, world_size
+
+
+@dataclass(frozen=True)
+class Topology:
+    mode: str  # the entry of mnist_dist.modes.MODES
+    device_type: str  # cuda | cpu
+    world_size: int  # worker processes
+    batch: int  # this rank's share of the global batch
+    gpus: int  # devices a process of an all-GPU mode (dp, split) drives
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1  # worker processes on this machine: they share its CPU cores
+    backend: str | None = None  # gloo | nccl for the modes that need a process group
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: cuda:<local rank> or cpu."""
+        return torch.device(f"cuda:{self.local_rank}" if self.device_type == "cuda" else "cpu")
+
+    def for_rank(self, rank: int) -> Topology:
+        """The topology as worker ``rank`` of a job on one machine sees it."""
+        return dataclasses.replace(self, rank=rank, local_rank=rank)
+
+
+def resolve(cfg: Config) -> Topology:
+    """The job's topology from its config, in the parent; a ConfigError says what to change."""
+    return _topology(cfg, _device_type(cfg), world_size(cfg), local_world_size=world_size(cfg))
+
+
+def from_env(cfg: Config) -> Topology:
+    """This process's topology under torchrun, which set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE."""
+    size = int(os.environ["WORLD_SIZE"])
+    if MODES[cfg.mode.name].processes is not Processes.PER_DEVICE:
+        raise ConfigError(
+            f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp or mode=torch_ddp"
+        )
+    device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    topology = _topology(cfg, device_type, size, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return dataclasses.replace(topology, rank=rank, local_rank=local_rank)
+
+
+def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
+    mode = MODES[cfg.mode.name]
+    # torch's SyncBatchNorm all-reduces its statistics only for accelerator tensors: on CPU its forward
+    # raises and torch DDP refuses it, so say so before anything starts.
+    if getattr(cfg.mode, "sync_batchnorm", False) and device_type == "cpu" and mode.process_group:
+        raise ConfigError(
+            "mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on CPU "
+            "tensors; use mode.sync_batchnorm=false on CPU"
+        )
+    backend = ("nccl" if device_type == "cuda" else "gloo") if mode.process_group else None
+    return Topology(
+        cfg.mode.name,
+        device_type,
+        size,
+        cfg.batch_size // size,
+        cfg.gpus,
+        local_world_size=local_world_size,
+        backend=backend,
+    )
+
+
+def _device_type(cfg: Config) -> str:
+    visible = torch.cuda.device_count()
+    needed = devices_needed(cfg)
+    if cfg.device == "cpu" or (cfg.device == "auto" and visible == 0):
+        return "cpu"
+    if visible < needed:
+        raise ConfigError(
+            f"device={cfg.device} needs {needed} CUDA device(s) for gpus={cfg.gpus} but "
+            f"{visible} are visible; use gpus={visible} or device=cpu"
+            if visible
+            else f"device={cfg.device} but no CUDA device is visible; use device=cpu or device=auto"
+        )
+    return "cuda"
+
+
+def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> torch.device:
+    """Sets up this process for ``topology``; returns its device. The one place a process is set up."""
+    if topology.device_type == "cpu" and topology.local_world_size > 1:
+        # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op with no deterministic kernel warns (naming itself) instead of stopping the run.
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    if topology.device_type == "cuda":
+        torch.cuda.set_device(topology.device)
+    if topology.backend and not dist.is_initialized():
+        # The rendezvous address is in the environment: spawn or torchrun put it there.
+        dist.init_process_group(
+            topology.backend,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return topology.device

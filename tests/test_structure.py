@@ -1,0 +1,94 @@
+"""The architecture as tested properties: the library stands alone, functions stay short, and a new mode
+is one YAML and one entry in the mode table."""
+
+import ast
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from helpers import compose_config
+from torch import nn
+
+import mnist_dist
+from mnist_dist.config import validate
+from mnist_dist.launch import launch
+from mnist_dist.modes import MODES, Mode, Processes, register
+
+PACKAGE = Path(mnist_dist.__file__).parent
+LONGEST = 60  # lines per function, decorators and docstring included
+
+
+def test_the_parallel_library_imports_nothing_of_the_app():
+    code = "import sys, mnist_dist.parallel; print(sorted(m for m in sys.modules if m.startswith('mnist_dist')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert eval(result.stdout) == [
+        "mnist_dist",
+        "mnist_dist.parallel",
+        "mnist_dist.parallel.ddp",
+        "mnist_dist.parallel.dp",
+        "mnist_dist.parallel.spawn",
+    ]
+
+
+def function_lengths() -> dict[str, int]:
+    lengths = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lengths[f"{path.relative_to(PACKAGE.parent)}:{node.name}"] = node.end_lineno - start + 1
+    return lengths
+
+
+def test_every_function_is_shorter_than_60_lines():
+    lengths = function_lengths()
+    longest = max(lengths, key=lengths.get)
+    assert lengths[longest] < LONGEST, f"{longest} has {lengths[longest]} lines"
+
+
+@dataclass
+class ToyMode:
+    name: str = "toy"
+    scale: float = 1.0  # a knob of its own: gradients are multiplied by it after backward
+
+
+CALLS = []
+
+
+def _wrap_toy(model: nn.Module, mode: ToyMode, device: torch.device, gpus: int) -> nn.Module:
+    return model.to(device)
+
+
+def _scale_gradients(model: nn.Module):
+    def scale() -> None:
+        CALLS.append(1)
+        for parameter in model.parameters():
+            parameter.grad.mul_(2.0)
+
+    return scale
+
+
+def test_a_new_mode_is_one_yaml_and_one_entry(tiny_root, tmp_path, monkeypatch):
+    toy = Mode("toy", ToyMode, _wrap_toy, Processes.ONE, after_backward=_scale_gradients)
+    monkeypatch.setitem(MODES, "toy", toy)  # out of the table again after the test
+    register(toy)
+    (tmp_path / "conf" / "mode").mkdir(parents=True)
+    (tmp_path / "conf" / "mode" / "toy.yaml").write_text(
+        "defaults:\n  - /mode_schema@_here_: toy\n  - _self_\nscale: 2.0\n"
+    )
+    steps = ("epochs=1", "batch_size=32", "model.dropout=false")
+    cfg = compose_config(tiny_root, f"hydra.searchpath=[file://{tmp_path}/conf]", "mode=toy", *steps)
+    assert cfg.mode == ToyMode(name="toy", scale=2.0)
+    validate(cfg)
+    for name in ("toy", "single"):
+        (tmp_path / name).mkdir()
+    launch(cfg, tmp_path / "toy")
+    results = json.loads((tmp_path / "toy" / "results.json").read_text())
+    assert (results["mode"], results["world_size"]) == ("toy", 1)
+    assert len(CALLS) == 20  # the trainer called the entry's after-backward step every step
+    launch(compose_config(tiny_root, *steps), tmp_path / "single")
+    toy, single = (torch.load(tmp_path / name / "model.pt") for name in ("toy", "single"))
+    assert not torch.equal(toy["classifier.3.weight"], single["classifier.3.weight"])  # doubled gradients
