@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -31,6 +29,7 @@ from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.modes import after_backward, wrap_model
 from mnist_dist.parallel import plain_state_dict, unwrap
 from mnist_dist.precision import Precision
+from mnist_dist.results import finish, global_images_per_s
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 from mnist_dist.topology import Topology, setup_process
 
@@ -283,41 +282,6 @@ def evaluate(
     return loss_sum / len(x), correct / len(x)
 
 
-def finish(run: Run, wall_time_s: float) -> dict:
-    """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
-    cfg, topology = run.cfg, run.topology
-    results = {
-        "mode": cfg.mode.name,  # the choice (dp_block, not dp)
-        "world_size": topology.world_size,
-        "device": topology.device_type,
-        "epochs": cfg.epochs,
-        "batch_size": cfg.batch_size,
-        "test_accuracy": run.test_accuracy,
-        "test_loss": run.test_loss,
-        "train_images_per_s": global_images_per_s(run.throughput.total_images, run.throughput.total_seconds),
-        "wall_time_s": wall_time_s,
-        "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
-        "peak_rss_mib": per_rank(peak_rss_mib(), topology.rank, topology.world_size),
-        "cuda_max_allocated_mib": per_rank(
-            torch.cuda.max_memory_allocated() / 2**20, topology.rank, topology.world_size
-        )
-        if topology.device_type == "cuda"
-        else None,
-    }
-    if topology.rank == 0:
-        checkpoint.save(plain_state_dict(run.model), run.run_dir / "model.pt")
-        checkpoint.save_json(results, run.run_dir / "results.json")
-        run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
-        hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
-        hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
-        run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
-        log.info("results: %s", results)
-    if dist.is_initialized():
-        dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
-        dist.destroy_process_group()
-    return results
-
-
 class TrainingDiverged(RuntimeError):
     """The loss became nan or inf; the message names the step."""
 
@@ -335,17 +299,6 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return losses
 
 
-def global_images_per_s(images: float, seconds: float) -> float:
-    """The job's images/s: every rank's images over the slowest rank's time (a collective: all ranks call).
-
-    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
-    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
-    """
-    (total,) = all_reduce([images])
-    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)
-    return total / slowest if slowest else 0.0
-
-
 def log_window(run: Run, loss: float, bar: tqdm) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
     images, seconds = run.throughput.lap() or (0, 0.0)
@@ -361,17 +314,6 @@ def log_window(run: Run, loss: float, bar: tqdm) -> None:
             tags["perf/images_per_s_global"] = rate
         bar.set_postfix(loss=f"{global_loss:.4f}", img_s=f"{rate:.0f}")
     run.scalars.add(run.step, **tags)
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def per_rank(value: float, rank: int, world_size: int) -> list[float]:
-    """Every rank's ``value``, by rank (a collective: all ranks call)."""
-    slots = [0.0] * world_size
-    slots[rank] = value
-    return all_reduce(slots)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

@@ -37,6 +37,7 @@ def report(capsys, *overrides):
     return code, {line[6:].split("  ")[0].strip(): line for line in lines[1:-1]}, lines
 
 
+@pytest.mark.slow
 def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
     code, checks, lines = report(capsys, "model._target_=test_check.BrokenNet", "~model.dropout")
     assert code == 1, "\n".join(lines)
@@ -57,6 +58,7 @@ def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
     assert lines[-1] == "1 FAIL, 2 WARN: fix the FAILs before training"
 
 
+@pytest.mark.slow
 def test_the_convnet_passes_every_check(capsys):
     code, checks, lines = report(capsys)
     assert code == 0, "\n".join(lines)

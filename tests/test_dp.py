@@ -34,6 +34,7 @@ def curves(tmp_path_factory, tiny_root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", VARIANTS)
 def test_variant_learns_the_same_curve_as_single(curves, mode):
     single, _, _ = curves["single"]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mnist_dist.model import ConvNet
@@ -13,6 +14,7 @@ from mnist_dist.model import ConvNet
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow
 def test_ddp_regression_learns_on_two_cpu_ranks(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "ddp_regression.py")],
@@ -34,6 +36,7 @@ def test_ddp_regression_learns_on_two_cpu_ranks(tmp_path):
     assert result.stdout.endswith("ok\n")
 
 
+@pytest.mark.slow
 def test_the_guides_ddp_script_runs_as_printed(tiny_root, tmp_path):
     guide = (ROOT / "docs" / "CONVERTING.md").read_text()
     script = guide.split("<!-- tests/test_examples.py runs the next code block -->\n```python\n")[1].split("```")[0]

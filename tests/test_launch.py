@@ -37,6 +37,7 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
     result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY)
     assert result.returncode == 0, result.stderr
@@ -45,6 +46,7 @@ def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
     assert_complete_run(tmp_path / "run", "ddp", 2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
     reason="torchrun not installed",
@@ -63,6 +65,7 @@ def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -108,6 +111,7 @@ def test_one_epoch_of_fashion_mnist_reaches_85_percent(tmp_path, mode, gpus):
     assert results["world_size"] == gpus
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU fallback")
 def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
     result = cli(tmp_path / "run", "mode=dp_functional", "gpus=2", f"data.root={tiny_root}", *TINY)

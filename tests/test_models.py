@@ -50,6 +50,7 @@ def resnet_runs(tmp_path_factory, tiny_root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_resnet_learns_and_saves_a_plain_checkpoint(resnet_runs, mode):
     run_dir, results = resnet_runs[mode]
@@ -62,6 +63,7 @@ def test_resnet_learns_and_saves_a_plain_checkpoint(resnet_runs, mode):
     assert model.features[1].num_batches_tracked.item() == 20  # rank 0's statistics, every step
 
 
+@pytest.mark.slow
 def test_a_model_from_the_users_own_package_trains_in_ddp(tiny_root, tmp_path):
     package = tmp_path / "userpkg"
     package.mkdir()

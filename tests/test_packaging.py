@@ -6,9 +6,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow
 def test_wheel_contains_every_config(tmp_path):
     # Build from a copy: setuptools writes build/ beside the sources it builds.
     source = tmp_path / "source"

@@ -68,6 +68,7 @@ def test_an_unwritable_output_directory_is_one_line(tiny_root, tmp_path):
     assert "Not a directory" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     started = time.monotonic()
     code, err = finish(
@@ -85,6 +86,7 @@ def test_a_killed_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     assert err.strip().splitlines()[-1].startswith("error: rank 1 failed: killed by SIGKILL")
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path):
     code, err = finish(
         start(
@@ -105,6 +107,7 @@ def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     tiny_root, tmp_path, signum, make_config
@@ -147,6 +150,7 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     assert torch.load(checkpoint, weights_only=False)["epoch"] == epoch + 1
 
 
+@pytest.mark.slow
 def test_two_launches_sharing_an_empty_data_root_both_train(tmp_path):
     from mnist_dist.synthetic import write_idx
 
@@ -199,6 +203,7 @@ def soak(rank, world_size, steps):
     return samples
 
 
+@pytest.mark.slow
 def test_soak_three_ranks_leak_nothing(tmp_path):
     for (rss_early, fds_early, threads_early), (rss_late, fds_late, threads_late) in run_ranks(soak, 3, tmp_path, 400):
         assert rss_late - rss_early < 2048, "resident memory grew by more than 2 MiB"  # kB

@@ -47,6 +47,7 @@ def test_checkpoint_carries_the_fp16_loss_scale(make_config, tmp_path):
     assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 2  # two steps without an overflow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
     # Dropout stays on: each rank's masks come from (seed, rank), so they repeat too.
@@ -57,6 +58,7 @@ def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
     assert_same_weights(first_weights, second_weights)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
     whole_weights, whole = run(make_config, tmp_path / "whole", f"mode={mode}", "gpus=2")
@@ -85,6 +87,7 @@ def cli(tmp_path, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_root, tmp_path):
     run(make_config, tmp_path / "run", "epochs=1")
     before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
@@ -156,6 +159,7 @@ def test_compare_verdict_and_arithmetic():
     assert not compare(results, curves, tolerance=0.05, early_tolerance=1e-6)["agree"]
 
 
+@pytest.mark.slow
 def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
     result = subprocess.run(
         [

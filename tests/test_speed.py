@@ -24,6 +24,7 @@ def fp32(tmp_path_factory, tiny_root):
     return torch.tensor(scalars(run_dir, 0)["train/loss_global"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "dp", "ddp", "torch_ddp"])
 def test_bf16_autocast_trains_like_fp32_in_every_mode(make_config, tmp_path, fp32, mode):
     bf16 = losses(make_config, tmp_path, f"mode={mode}", "gpus=2", "amp=bf16")
@@ -56,6 +57,7 @@ def test_fp16_scales_the_gradients_and_bf16_does_not():
         assert loss < first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_channels_last_computes_the_same_curve(make_config, tmp_path, fp32, mode):
     nhwc = losses(make_config, tmp_path, f"mode={mode}", "gpus=2", "channels_last=true")

@@ -84,6 +84,7 @@ def twenty_steps(tmp_path_factory, tiny_root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "torch_ddp"])
 def test_distributed_modes_match_single_after_20_steps(twenty_steps, mode):
     single, _ = twenty_steps["single"]
@@ -96,6 +97,7 @@ def test_distributed_modes_match_single_after_20_steps(twenty_steps, mode):
         torch.testing.assert_close(value, single[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_our_ddp_matches_torch_ddp_after_20_steps(twenty_steps):
     ours, _ = twenty_steps["ddp"]
     theirs, _ = twenty_steps["torch_ddp"]
@@ -103,6 +105,7 @@ def test_our_ddp_matches_torch_ddp_after_20_steps(twenty_steps):
         torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_distributed_evaluation_is_exact(twenty_steps, tiny_root):
     weights, run_dir = twenty_steps["ddp"]
     results = json.loads((run_dir / "results.json").read_text())

@@ -1,0 +1,76 @@
+"""What a run reports at its end: results.json, model.pt and the HPARAMS entry, and the numbers in them."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mnist_dist import checkpoint
+from mnist_dist.metrics import all_reduce
+from mnist_dist.parallel import plain_state_dict
+
+if TYPE_CHECKING:
+    from mnist_dist.train import Run
+
+log = logging.getLogger("mnist_dist")
+
+
+def finish(run: Run, wall_time_s: float) -> dict:
+    """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
+    cfg, topology = run.cfg, run.topology
+    results = {
+        "mode": cfg.mode.name,  # the choice (dp_block, not dp)
+        "world_size": topology.world_size,
+        "device": topology.device_type,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "test_accuracy": run.test_accuracy,
+        "test_loss": run.test_loss,
+        "train_images_per_s": global_images_per_s(run.throughput.total_images, run.throughput.total_seconds),
+        "wall_time_s": wall_time_s,
+        "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
+        "peak_rss_mib": per_rank(peak_rss_mib(), topology.rank, topology.world_size),
+        "cuda_max_allocated_mib": per_rank(
+            torch.cuda.max_memory_allocated() / 2**20, topology.rank, topology.world_size
+        )
+        if topology.device_type == "cuda"
+        else None,
+    }
+    if topology.rank == 0:
+        checkpoint.save(plain_state_dict(run.model), run.run_dir / "model.pt")
+        checkpoint.save_json(results, run.run_dir / "results.json")
+        run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
+        hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
+        hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
+        run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
+        log.info("results: %s", results)
+    if dist.is_initialized():
+        dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
+        dist.destroy_process_group()
+    return results
+
+
+def global_images_per_s(images: float, seconds: float) -> float:
+    """The job's images/s: every rank's images over the slowest rank's time (a collective: all ranks call).
+
+    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
+    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
+    """
+    (total,) = all_reduce([images])
+    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)
+    return total / slowest if slowest else 0.0
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def per_rank(value: float, rank: int, world_size: int) -> list[float]:
+    """Every rank's ``value``, by rank (a collective: all ranks call)."""
+    slots = [0.0] * world_size
+    slots[rank] = value
+    return all_reduce(slots)
