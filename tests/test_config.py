@@ -37,8 +37,8 @@ def test_defaults_follow_the_classic_recipe(make_config):
     "overrides, expected",
     [
         (["optim=sgd", "optim.momentum=0.9"], {"lr": 0.1, "momentum": 0.9}),
-        (["optim=adamw", "optim.betas=[0.8,0.9]"], {"lr": 0.001, "betas": [0.8, 0.9], "weight_decay": 0.01}),
-        (["optim.rho=0.5"], {"lr": 1.0, "rho": 0.5}),  # any constructor argument of the class
+        (["optim=adamw", "+optim.betas=[0.8,0.9]"], {"lr": 0.001, "betas": [0.8, 0.9], "weight_decay": 0.01}),
+        (["+optim.rho=0.5"], {"lr": 1.0, "rho": 0.5}),  # any constructor argument of the class
     ],
 )
 def test_optimizer_and_scheduler_are_built_from_their_config(make_config, overrides, expected):
