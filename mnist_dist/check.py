@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mnist_dist.config import Config, ConfigError, ModeConfig, describe_hydra_error, validate
-from mnist_dist.parallel import WorkerFailed, gradient_sync, plain_state_dict, spawn, unwrap, wrap_model
+from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap, wrap_model
 
 RANKS = 2
 BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second on a CPU
@@ -58,7 +58,6 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
     logits = model(x)
     F.cross_entropy(logits, y.to(logits.device)).backward()
-    gradient_sync(model)()
 
 
 def names(items: list[str], most: int = 4) -> str:

@@ -26,7 +26,7 @@ from mnist_dist import checkpoint
 from mnist_dist.config import DISTRIBUTED_MODES, Config
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
-from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
+from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap, wrap_model
 from mnist_dist.precision import Precision
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
@@ -81,7 +81,6 @@ def train(
             first_epoch, step = resumed["epoch"] + 1, resumed["step"]
             checkpoint.restore_rng(resumed["rng"], rank)
             log.info("resuming %s at epoch %d, step %d", cfg.resume, first_epoch, step)
-        finish_sync = gradient_sync(model)
         throughput = Throughput(torch_device, cfg.warmup_steps)
         timer = StepTimer(torch_device)
         steps = steps_per_epoch(len(train_x), cfg.batch_size)
@@ -114,7 +113,7 @@ def train(
                 timer.start(sample=step % cfg.log_every == 0)  # the last step of each window is timed
                 x, y = train_x[indices], train_y[indices]
                 timer.mark("data")
-                loss = train_step(model, optimizer, finish_sync, x, y, precision, timer.mark)
+                loss = train_step(model, optimizer, x, y, precision, timer.mark)
                 window_losses.append(loss.detach())
                 throughput.step(len(indices))
                 if step % cfg.log_every == 0:
@@ -225,19 +224,19 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return losses
 
 
-def train_step(model, optimizer, finish_sync, x, y, precision: Precision, mark) -> torch.Tensor:
+def train_step(model, optimizer, x, y, precision: Precision, mark) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
-    ``mark(phase)`` ends a phase for the step timer; ``finish_sync`` waits for the gradients'
-    all-reduce (our DDP; a no-op elsewhere), so its phase is the communication backward did not hide.
+    ``mark(phase)`` ends a phase for the step timer. Our DDP ends forward_backward where its compute
+    ends, just before it waits for the all-reduces at the end of backward, so comm_wait is the
+    communication backward did not hide.
     """
     optimizer.zero_grad(set_to_none=True)
     with precision.autocast():
         logits = model(x)
         loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    precision.scaler.scale(loss).backward()
-    mark("forward_backward")
-    finish_sync()
+    with compute_ends(model, lambda: mark("forward_backward")):
+        precision.scaler.scale(loss).backward()
     mark("comm_wait")
     precision.scaler.step(optimizer)
     precision.scaler.update()

@@ -16,7 +16,8 @@ Usable from your own script, with nothing of MNIST (see examples/ddp_regression.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ __all__ = [
     "wrap_model",
     "unwrap",
     "plain_state_dict",
-    "gradient_sync",
+    "compute_ends",
     "spawn",
     "WorkerFailed",
 ]
@@ -93,11 +94,27 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def gradient_sync(model: nn.Module) -> Callable[[], None]:
-    """What the training step calls between backward and optimizer.step().
+@contextmanager
+def compute_ends(model: nn.Module, done: Callable[[], None]) -> Iterator[None]:
+    """Around ``backward()``: calls ``done`` once when this rank's compute ends, so that the time after
+    it is the communication that backward did not hide.
 
-    Only our DDP needs it; torch DDP finishes its all-reduce inside backward.
+    Our DDP waits for its all-reduces at the end of backward and calls ``done`` just before; for
+    every other model ``done`` runs when the block ends (torch DDP's wait stays inside backward).
     """
-    if isinstance(model, DistributedDataParallel):
-        return model.finish_gradient_sync
-    return lambda: None
+    called = []
+
+    def once() -> None:
+        called.append(True)
+        done()
+
+    ours = model if isinstance(model, DistributedDataParallel) else None
+    if ours is not None:
+        ours.before_comm_wait = once
+    try:
+        yield
+    finally:
+        if ours is not None:
+            ours.before_comm_wait = None
+    if not called:
+        done()
