@@ -1,5 +1,7 @@
 """Our DistributedDataParallel, on 2 gloo ranks, against plain single-process autograd."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,3 +229,43 @@ def test_compute_phase_ends_before_the_wait_at_the_end_of_backward(tmp_path):
         torch.testing.assert_close(seen[0], torch.full((2,), 4.0 * (rank + 1)))
         torch.testing.assert_close(seen[1], torch.full((2,), 4.0 * 1.5 + 4.0 * (rank + 1)))
         torch.testing.assert_close(seen[2], torch.full((2,), 4.0 * (rank + 1)))
+
+
+class SharedAcrossCheckpoint(nn.Module):
+    """One layer used outside and inside a re-entrant checkpoint: two gradients in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.shared(x).tanh()
+        return torch.utils.checkpoint.checkpoint(self.shared, h, use_reentrant=True)
+
+
+def shared_across_checkpoint(rank, world_size, overlap):
+    ddp = DistributedDataParallel(SharedAcrossCheckpoint(), message_size=8, overlap=overlap)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(2):  # the second backward runs on the bucket plan
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return ddp.module.shared.weight.grad.clone()
+
+
+def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_without(tmp_path):
+    (tmp_path / "overlap").mkdir()
+    for message in run_ranks(shared_across_checkpoint, 2, tmp_path / "overlap", True):
+        assert re.fullmatch(
+            r"shared\.(weight|bias) got a second gradient in one backward after its bucket was sent; "
+            r"pass overlap=False, or checkpoint with use_reentrant=False",
+            message,
+        )
+    net = SharedAcrossCheckpoint()
+    net(torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])).sum().backward()
+    (tmp_path / "no_overlap").mkdir()
+    for grad in run_ranks(shared_across_checkpoint, 2, tmp_path / "no_overlap", False):
+        torch.testing.assert_close(grad, net.shared.weight.grad / 2)  # the average of the two ranks' sums
