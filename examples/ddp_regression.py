@@ -52,8 +52,7 @@ def worker(rank: int, world_size: int) -> None:
         order = epoch_order(len(train_x), SEED, epoch)
         for indices in rank_batches(order, GLOBAL_BATCH, rank, world_size):
             optimizer.zero_grad(set_to_none=True)
-            F.mse_loss(model(train_x[indices]), train_y[indices]).backward()
-            model.finish_gradient_sync()  # ADDED FOR DISTRIBUTED: gradients averaged over the ranks
+            F.mse_loss(model(train_x[indices]), train_y[indices]).backward()  # averaged over the ranks on return
             optimizer.step()
 
     # ADDED FOR DISTRIBUTED: each rank scores a disjoint share of the test set and the sums are added,

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
-from mnist_dist.modes import MODES, Processes, after_backward, wrap_model
+from mnist_dist.modes import MODES, Processes, wrap_model
 from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
 
 RANKS = 2
@@ -55,12 +55,11 @@ def random_batch(seed: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
 
 
 def step(model: nn.Module, mode: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Forward, backward and what ``mode`` does after backward, as the trainer's step does them."""
+    """Forward and backward, as the trainer's step does them (DDP wrappers average inside backward)."""
     model.train()
     model.zero_grad(set_to_none=True)
     logits = model(x)
     F.cross_entropy(logits, y.to(logits.device)).backward()
-    after_backward(model, mode)()
 
 
 def one_process_modes(cfg: Config) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Tag names are stable, so runs of every mode overlay in TensorBoard:
 
 - every rank, in ``tb/rank_<r>``: ``train/loss``, ``perf/images_per_s``, and where a step's time
   goes: ``time/data_ms`` (indexing the batch), ``time/forward_backward_ms``, ``time/comm_wait_ms``
-  (ddp: time blocked in ``finish_gradient_sync``, i.e. communication not hidden behind backward),
+  (ddp: time our DDP waits for its all-reduces at the end of backward, i.e. communication not
+  hidden behind compute),
   ``time/optimizer_ms``
 - rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
   ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``, ``results/images_per_s`` (the run's

@@ -1,9 +1,12 @@
 """The mode table: what each mode is, in one entry, read by validation, launch, the worker and the tools.
 
 An entry says how the mode wraps a plain model, how many processes it runs, whether one process drives
-all ``gpus`` devices, whether it needs a process group, what it says when it runs without CUDA, and
-what a training step does after backward. Each mode also has a structured config (its knobs, with
-their defaults), so a knob of another mode is an error while the config is composed.
+all ``gpus`` devices, whether it needs a process group, and what it says when it runs without CUDA.
+A training step is the same in every mode: wrappers that synchronise gradients (ours and torch's DDP)
+finish inside ``backward()``, so nothing is called between it and ``optimizer.step()``.
+
+Each mode also has a structured config (its knobs, with their defaults), so a knob of another mode is an
+error while the config is composed.
 
 Adding a mode is one entry here (``register``) and one YAML in ``conf/mode/`` that names it::
 
@@ -90,8 +93,6 @@ class Mode:
     process_group: bool = False  # needs torch.distributed initialised before wrap
     # Said when the mode runs on the CPU because no CUDA device is visible; {world_size} is filled in.
     without_cuda: str = ""
-    # What a training step calls between backward and optimizer.step(), given the wrapped model.
-    after_backward: Callable[[nn.Module], Callable[[], None]] | None = None
 
     def devices(self, gpus: int) -> int:
         """CUDA devices the job drives for ``gpus``: one per process, or all of them for an all-GPU mode."""
@@ -127,16 +128,6 @@ def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1)
     The process group must exist for the modes that need one.
     """
     return MODES[mode.name].wrap(model, mode, device, gpus)
-
-
-def after_backward(model: nn.Module, mode: Any) -> Callable[[], None]:
-    """What the step calls between backward and optimizer.step() in ``mode`` (a no-op in most)."""
-    make = MODES[mode.name].after_backward
-    return make(model) if make else _nothing
-
-
-def _nothing() -> None:
-    pass
 
 
 def _single(model: nn.Module, mode: SingleMode, device: torch.device, gpus: int) -> nn.Module:
@@ -191,15 +182,5 @@ for _name in ("dp", "dp_block", "dp_functional"):
 _SPLIT_ON_CPU = "in one process: both parts stay on the CPU"
 register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cuda=_SPLIT_ON_CPU))
 _GLOO = "in {world_size} processes with gloo"
-register(
-    Mode(
-        "ddp",
-        DDPMode,
-        _ddp,
-        Processes.PER_DEVICE,
-        process_group=True,
-        without_cuda=_GLOO,
-        after_backward=lambda model: model.finish_gradient_sync,
-    )
-)
+register(Mode("ddp", DDPMode, _ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
 register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))

@@ -26,8 +26,8 @@ from mnist_dist import checkpoint
 from mnist_dist.config import Config
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
-from mnist_dist.modes import after_backward, wrap_model
-from mnist_dist.parallel import plain_state_dict, unwrap
+from mnist_dist.modes import wrap_model
+from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish, global_images_per_s
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
@@ -56,7 +56,6 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
-    after_backward: Callable[[], None]
     throughput: Throughput
     timer: StepTimer
     first_epoch: int = 1
@@ -125,7 +124,6 @@ def build(
         optimizer,
         instantiate(cfg.scheduler)(optimizer),
         Precision(cfg.amp, device),
-        after_backward(model, cfg.mode),
         Throughput(device, cfg.warmup_steps),
         StepTimer(device),
     )
@@ -184,7 +182,7 @@ def run_epoch(run: Run, epoch: int) -> None:
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, run.after_backward, x, y, run.precision, run.timer.mark)
+        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark)
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
@@ -201,7 +199,6 @@ def run_epoch(run: Run, epoch: int) -> None:
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    after_backward: Callable[[], None],
     x: torch.Tensor,
     y: torch.Tensor,
     precision: Precision,
@@ -209,16 +206,16 @@ def train_step(
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
-    ``mark(phase)`` ends a phase for the step timer; ``after_backward`` is the mode's (our DDP: wait
-    for the gradients' all-reduce), so its phase is the communication backward did not hide.
+    ``mark(phase)`` ends a phase for the step timer. Our DDP ends forward_backward where its compute
+    ends, just before it waits for the all-reduces at the end of backward, so comm_wait is the
+    communication backward did not hide.
     """
     optimizer.zero_grad(set_to_none=True)
     with precision.autocast():
         logits = model(x)
         loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    precision.scaler.scale(loss).backward()
-    mark("forward_backward")
-    after_backward()
+    with compute_ends(model, lambda: mark("forward_backward")):
+        precision.scaler.scale(loss).backward()
     mark("comm_wait")
     precision.scaler.step(optimizer)
     precision.scaler.update()

@@ -1,5 +1,7 @@
 """Our DistributedDataParallel, on 2 gloo ranks, against plain single-process autograd."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +9,7 @@ from helpers import run_ranks
 from torch import nn
 
 from mnist_dist.model import ConvNet
-from mnist_dist.parallel import DistributedDataParallel
+from mnist_dist.parallel import DistributedDataParallel, compute_ends
 
 GLOBAL_BATCH = 16
 
@@ -43,7 +45,6 @@ def ddp_step(rank, world_size, message_size, overlap, compress=False):
     for _ in range(2):  # step 1 records the order, step 2 runs on the fixed bucket plan
         net.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        ddp.finish_gradient_sync()
     return {n: p.grad.clone() for n, p in net.named_parameters()}, ddp.bucket_plan
 
 
@@ -85,10 +86,8 @@ def no_sync_accumulation(rank, world_size):
     # Two micro-batches per rank; each loss halved so their sum is the mean over the union.
     with ddp.no_sync():
         (F.cross_entropy(ddp(mine_x[:4]), mine_y[:4]) / 2).backward()
-        ddp.finish_gradient_sync()  # a no-op inside no_sync
     no_sync_grads = {n: p.grad.clone() for n, p in net.named_parameters()}
     (F.cross_entropy(ddp(mine_x[4:]), mine_y[4:]) / 2).backward()
-    ddp.finish_gradient_sync()
     return no_sync_grads, {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
@@ -121,11 +120,9 @@ def plans_and_refreezing(rank, world_size):
     ddp = DistributedDataParallel(TwoHeads(), message_size=20)
     x = torch.randn(4, 8)
     ddp(x).sum().backward()
-    ddp.finish_gradient_sync()
     first = ddp.bucket_plan
     ddp.module.body.requires_grad_(False)
     ddp(x).sum().backward()
-    ddp.finish_gradient_sync()
     return first, ddp.bucket_plan
 
 
@@ -149,7 +146,6 @@ def unused_parameter(rank, world_size, find_unused):
             ddp.zero_grad()
             # Rank 1 uses the spare head, rank 0 does not.
             ddp(x, use_spare=rank == 1).sum().backward()
-            ddp.finish_gradient_sync()
     except RuntimeError as error:
         return str(error)
     return ddp.module.spare.weight.grad.clone()
@@ -180,7 +176,6 @@ def fp16_on_gloo(rank, world_size):
     with pytest.warns(UserWarning) as caught:
         for _ in range(2):
             ddp(torch.randn(4, 8, dtype=torch.half)).sum().backward()
-            ddp.finish_gradient_sync()
     return [str(w.message) for w in caught], ddp.module.head.weight.grad.dtype
 
 
@@ -197,7 +192,6 @@ def batchnorm_buffers(rank, world_size, broadcast):
     for _ in range(3):
         x = torch.randn(4, 8) + 3 * rank  # each rank sees other data: its running stats drift apart
         ddp(x).sum().backward()
-        ddp.finish_gradient_sync()
     ddp.eval()
     ddp(torch.zeros(1, 8))  # eval: BatchNorm only reads its statistics; the broadcast still happens
     return net[1].running_mean.clone()
@@ -207,3 +201,71 @@ def batchnorm_buffers(rank, world_size, broadcast):
 def test_buffers_follow_rank_0_before_each_forward(tmp_path, broadcast):
     mean0, mean1 = run_ranks(batchnorm_buffers, 2, tmp_path, broadcast)
     assert torch.equal(mean0, mean1) == broadcast
+
+
+def compute_then_wait(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TwoHeads())
+    seen = []  # head.bias.grad at each call
+    x = torch.randn(4, 8)
+
+    def done():
+        seen.append(ddp.module.head.bias.grad.clone())
+
+    with compute_ends(ddp, done):
+        (ddp(x).sum() * (rank + 1)).backward()  # head.bias gets 4 * (rank + 1) here
+    with ddp.no_sync(), compute_ends(ddp, done):  # nothing to wait for: done when the block ends
+        (ddp(x).sum() * (rank + 1)).backward()
+    plain = TwoHeads()
+    with compute_ends(plain, lambda: seen.append(plain.head.bias.grad.clone())):
+        (plain(x).sum() * (rank + 1)).backward()
+    return seen, ddp.before_comm_wait
+
+
+def test_compute_phase_ends_before_the_wait_at_the_end_of_backward(tmp_path):
+    for rank, (seen, hook_left) in enumerate(run_ranks(compute_then_wait, 2, tmp_path)):
+        assert len(seen) == 3 and hook_left is None
+        # Called inside backward, before the all-reduce was written back: this rank's own gradient.
+        torch.testing.assert_close(seen[0], torch.full((2,), 4.0 * (rank + 1)))
+        torch.testing.assert_close(seen[1], torch.full((2,), 4.0 * 1.5 + 4.0 * (rank + 1)))
+        torch.testing.assert_close(seen[2], torch.full((2,), 4.0 * (rank + 1)))
+
+
+class SharedAcrossCheckpoint(nn.Module):
+    """One layer used outside and inside a re-entrant checkpoint: two gradients in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.shared(x).tanh()
+        return torch.utils.checkpoint.checkpoint(self.shared, h, use_reentrant=True)
+
+
+def shared_across_checkpoint(rank, world_size, overlap):
+    ddp = DistributedDataParallel(SharedAcrossCheckpoint(), message_size=8, overlap=overlap)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in range(2):  # the second backward runs on the bucket plan
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return ddp.module.shared.weight.grad.clone()
+
+
+def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_without(tmp_path):
+    (tmp_path / "overlap").mkdir()
+    for message in run_ranks(shared_across_checkpoint, 2, tmp_path / "overlap", True):
+        assert re.fullmatch(
+            r"shared\.(weight|bias) got a second gradient in one backward after its bucket was sent; "
+            r"pass overlap=False, or checkpoint with use_reentrant=False",
+            message,
+        )
+    net = SharedAcrossCheckpoint()
+    net(torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])).sum().backward()
+    (tmp_path / "no_overlap").mkdir()
+    for grad in run_ranks(shared_across_checkpoint, 2, tmp_path / "no_overlap", False):
+        torch.testing.assert_close(grad, net.shared.weight.grad / 2)  # the average of the two ranks' sums

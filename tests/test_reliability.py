@@ -196,7 +196,6 @@ def soak(rank, world_size, steps):
     for step in range(steps):
         optimizer.zero_grad()
         model(torch.randn(16, 64)).sum().backward()
-        model.finish_gradient_sync()
         optimizer.step()
         if step in (50, steps - 1):
             samples.append(usage())

@@ -16,6 +16,9 @@ The app applies its modes with these in ``mnist_dist/modes.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -31,6 +34,7 @@ __all__ = [
     "split",
     "unwrap",
     "plain_state_dict",
+    "compute_ends",
     "spawn",
     "WorkerFailed",
 ]
@@ -55,3 +59,29 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 key = prefix + key[len(prefix + "module.") :]
         state[key] = value
     return state
+
+
+@contextmanager
+def compute_ends(model: nn.Module, done: Callable[[], None]) -> Iterator[None]:
+    """Around ``backward()``: calls ``done`` once when this rank's compute ends, so that the time after
+    it is the communication that backward did not hide.
+
+    Our DDP waits for its all-reduces at the end of backward and calls ``done`` just before; for
+    every other model ``done`` runs when the block ends (torch DDP's wait stays inside backward).
+    """
+    called = []
+
+    def once() -> None:
+        called.append(True)
+        done()
+
+    ours = model if isinstance(model, DistributedDataParallel) else None
+    if ours is not None:
+        ours.before_comm_wait = once
+    try:
+        yield
+    finally:
+        if ours is not None:
+            ours.before_comm_wait = None
+    if not called:
+        done()

@@ -1,72 +1,77 @@
 """A hand-written DistributedDataParallel, small enough to read in one sitting and copy.
 
-It is a modern version of NVIDIA apex's 2018 design, written only with public PyTorch APIs.
+It is a modern version of NVIDIA apex's 2018 design, written with public PyTorch APIs but one: the
+user writes the same lines as with torch DDP, and gradients are averaged when ``backward()`` returns::
+
+    model = DistributedDataParallel(model.to(device))   # after init_process_group
+    loss_fn(model(x), y).backward()                     # .grad now holds the average over the ranks
+    optimizer.step()
 
 **Same start.** At wrap time rank 0's parameters and buffers are broadcast, so every replica starts
 identical; identical averaged gradients then keep them identical. Buffers (BatchNorm's running
-statistics) are not gradients: each rank updates its own in forward, so, as torch DDP does, rank 0's
-are broadcast again before every synchronised forward.
+statistics) are not gradients: each rank updates its own in forward, so rank 0's are broadcast again
+at the moments torch DDP broadcasts them: at the start of a forward that follows a forward run with
+grad enabled and outside ``no_sync()`` (the first forward after wrapping too), whether the module is
+in train or eval mode.
 
 **Buckets.** One all-reduce per gradient pays a message's latency per tensor; one all-reduce of
 everything after backward cannot overlap with compute. So gradients are copied into flat buckets of
 at most ``message_size`` elements (one dtype per bucket: a flat buffer has one dtype), and a bucket is
 all-reduced as soon as its last gradient is ready, while autograd goes on with earlier layers.
+Gradients are divided by the world size *before* the sum, as torch DDP does, so that low-precision
+buckets do not overflow.
 
 **Order.** Buckets overlap only if they fill in the order backward produces gradients, which
 ``parameters()`` does not tell in general. The first backward therefore records the order in which
 ``register_post_accumulate_grad_hook`` fires (after a parameter's ``.grad`` is final for this
 backward) and all-reduces everything at its end. Rank 0's order is then broadcast so that every rank
-builds the same buckets: collectives must be issued in the same order and sizes on every rank, or they
-deadlock or mix tensors up. The plan stays fixed until the set of parameters that require grad changes.
-Buckets are launched strictly in plan order (a full bucket waits for the ones before it), so a rank
-whose hooks fire in a slightly different order still issues the same sequence of collectives.
+builds the same buckets (``_buckets.py``). The plan stays fixed until the set of parameters that
+require grad changes. Buckets are launched strictly in plan order, so a rank whose hooks fire in a
+slightly different order still issues the same sequence of collectives.
 
-**Finish.** ``finish_gradient_sync()`` is called between ``backward()`` and ``optimizer.step()``. It
-launches what is left, waits for every all-reduce and writes the averaged gradients back to ``.grad``.
-It is explicit rather than hidden in an autograd callback: the training step shows where communication
-is waited for, and that wait (the *exposed* communication) is easy to time.
+**End of backward.** No public API runs code when a backward pass ends, so, like torch DDP and FSDP,
+the wrapper queues a callback on the autograd engine (``_queue_end_of_backward``, the one private
+call). It launches what is left, waits, and writes the averaged gradients back into ``.grad``. What
+follows ``backward()`` (clipping, ``GradScaler.unscale_``, the optimizer) therefore sees the averaged
+gradients, exactly as with torch DDP. ``before_comm_wait``, if set, is called just before that wait:
+the trainer ends its compute phase there, so ``time/comm_wait_ms`` is the communication that backward
+did not hide.
+
+**As torch DDP** (which the equivalence tests compare against, pattern by pattern):
+
+- each synchronised backward all-reduces what ``.grad`` holds, so several backward passes without
+  ``no_sync()`` give the sum of their averaged gradients; inside ``no_sync()`` (which must hold the
+  forward too) gradients accumulate locally and the next synchronised backward averages the sum;
+- parameters frozen at wrap time are left alone; a parameter that requires grad but gets none is an
+  error naming it, unless ``find_unused_parameters=True``: then it contributes zeros where unused,
+  and one used on no rank keeps ``.grad`` untouched (``None`` stays ``None``);
+- sparse gradients (``nn.Embedding(sparse=True)``) are refused at wrap time, naming the parameter.
+
+Where it differs: a parameter frozen at wrap time and unfrozen later is synchronised from then on
+(torch DDP ignores it, and the ranks drift apart); a second ``backward(retain_graph=True)`` over the
+same forward is synchronised again, which equals one process on the global batch (torch DDP syncs
+once per forward and leaves the ranks apart). A parameter that gets a second gradient inside one
+backward after its bucket was sent (shared between a re-entrant checkpoint and the rest of the
+model) is an error naming it; ``overlap=False`` or ``use_reentrant=False`` avoids it.
 
 On CPU, gloo runs ``all_reduce(async_op=True)`` on its own threads, which is the overlap. On CUDA, the
 copy into a bucket and its all-reduce are issued on a side stream that first waits for the compute
-stream (the gradient must be written before it is read); finishing makes the compute stream wait for
-the side stream. Gradients are divided by the world size *before* the sum, as torch DDP does, so that
-low-precision buckets do not overflow.
-
-Usage::
-
-    model = DistributedDataParallel(model.to(device))   # after init_process_group
-    loss_fn(model(x), y).backward()
-    model.finish_gradient_sync()
-    optimizer.step()
+stream (the gradient must be written before it is read); the end of backward makes the compute stream
+wait for the side stream.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
-
-@dataclass
-class _Bucket:
-    indices: list[int]  # positions in the wrapper's parameter list, in plan order
-    buffer: torch.Tensor  # flat, one dtype
-    pending: int = 0  # gradients still to arrive in this backward
-    work: dist.Work | None = None
-    wire: list[torch.Tensor] = field(default_factory=list)  # compress_bf16: one bf16 copy per rank
-
-
-@dataclass
-class _Step:
-    """What one synchronised backward has seen so far."""
-
-    arrived: list[int] = field(default_factory=list)  # parameter indices, in hook order
-    next_bucket: int = 0  # buckets before this one are launched
+from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets
 
 
 class DistributedDataParallel(nn.Module):
@@ -80,8 +85,9 @@ class DistributedDataParallel(nn.Module):
         overlap: all-reduce while backward runs. False waits for the end of backward (apex's
             ``delay_allreduce``), for comparison.
         find_unused_parameters: a parameter that requires grad but gets none counts as a zero
-            gradient. Off by default: it is usually a bug, reported by name.
-        broadcast_buffers: give every rank rank 0's buffers before each synchronised forward.
+            gradient (one more small all-reduce per step finds those used on no rank). Off by
+            default: it is usually a bug, reported by name.
+        broadcast_buffers: give every rank rank 0's buffers at the start of forward, as torch DDP.
         compress_bf16: send fp32 gradients as bf16 (half the bytes) and add them up in fp32: an
             all-gather of bf16 copies rather than an all-reduce, since an all-reduce would also
             accumulate in bf16. Worth it where the network, not compute, is the bottleneck.
@@ -97,28 +103,34 @@ class DistributedDataParallel(nn.Module):
         compress_bf16: bool = False,
     ) -> None:
         super().__init__()
+        _refuse_sparse_gradients(module)
         self.module = module
         self.message_size = message_size
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.compress_bf16 = compress_bf16
+        self.before_comm_wait: Callable[[], None] | None = None  # see the module docstring
         self.world_size = dist.get_world_size()
         named = list(module.named_parameters())
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
+        self._replicated_buffers = list(module.buffers())
         self._sync_enabled = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured at forward, as torch DDP does
+        self._sync_buffers_next_forward = True  # torch DDP's require_forward_param_sync
         self._plan_key: tuple[bool, ...] | None = None  # requires_grad flags the plan was built for
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        self._step = _Step()
-        device = self._params[0].device
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._arrived: dict[int, None] = {}  # this backward's parameters, in hook order
+        self._next_bucket = 0  # buckets before this one are launched in this backward
+        self._end_queued = False
+        self._hooked: set[int] = set()
+        tensors = [*self._params, *self._replicated_buffers]
+        device = tensors[0].device if tensors else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._replicated_buffers = list(module.buffers())
-        self._broadcast_from_rank0([*self._params, *self._replicated_buffers])
-        for index, param in enumerate(self._params):
-            param.register_post_accumulate_grad_hook(self._make_hook(index))
+        self._broadcast_from_rank0(tensors)
+        self._hook_trainable()
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
@@ -127,14 +139,30 @@ class DistributedDataParallel(nn.Module):
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
 
+    def _hook_trainable(self) -> None:
+        # A frozen parameter cannot take a hook; one unfrozen after wrapping gets it at its next forward.
+        for index, param in enumerate(self._params):
+            if param.requires_grad and index not in self._hooked:
+                param.register_post_accumulate_grad_hook(self._make_hook(index))
+                self._hooked.add(index)
+
     def forward(self, *args, **kwargs):
         key = tuple(p.requires_grad for p in self._params)
         if key != self._plan_key:  # first step, or layers were (un)frozen: record the order again
+            self._hook_trainable()
             self._plan_key, self._buckets, self._bucket_of = key, [], {}
-        self._sync_this_backward = self._sync_enabled
-        if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled():
+        if self.broadcast_buffers and self._sync_buffers_next_forward:
             self._broadcast_from_rank0(self._replicated_buffers)
-        return self.module(*args, **kwargs)
+        grad_enabled = torch.is_grad_enabled()
+        self._sync_buffers_next_forward = grad_enabled and self._sync_enabled
+        if grad_enabled:
+            self._sync_this_backward = self._sync_enabled
+        output = self.module(*args, **kwargs)
+        if grad_enabled and self._sync_enabled:
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._on_output_grad)
+        return output
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -145,17 +173,43 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def finish_gradient_sync(self) -> None:
+        """Does nothing: gradients are averaged when ``backward()`` returns. Kept for scripts written
+        for the earlier API, which needed this call before ``optimizer.step()``."""
+
     @property
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (empty until the first synchronised backward)."""
         return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
 
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        # No public API runs code when a backward pass ends. torch DDP (_DDPSink) and FSDP (its
+        # pre-backward hook) queue a callback on the autograd engine, which runs it after the last
+        # gradient of the current graph task; so does this. Queued when backward first reaches this
+        # wrapper's outputs, the task is the backward the user called, not a nested one (re-entrant
+        # activation checkpointing runs a backward inside it); a parameter's hook queues it for a
+        # backward that did not start from the outputs.
+        if not self._end_queued:
+            self._end_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if not self._sync_this_backward:
                 return
-            self._step.arrived.append(index)
+            self._queue_end_of_backward()
             bucket = self._bucket_of.get(index)
+            if index in self._arrived:  # a second gradient in this backward (re-entrant checkpoint)
+                if bucket is not None and bucket.work is not None:
+                    raise RuntimeError(
+                        f"{self._names[index]} got a second gradient in one backward after its bucket was "
+                        "sent; pass overlap=False, or checkpoint with use_reentrant=False"
+                    )
+                return
+            self._arrived[index] = None
             if bucket is None:  # no plan yet: this backward only records the order
                 return
             bucket.pending -= 1
@@ -165,19 +219,23 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def _launch_ready_buckets(self, everything: bool = False) -> None:
-        while self._step.next_bucket < len(self._buckets):
-            bucket = self._buckets[self._step.next_bucket]
+        while self._next_bucket < len(self._buckets):
+            bucket = self._buckets[self._next_bucket]
             if bucket.pending and not everything:
                 return
             self._launch(bucket)
-            self._step.next_bucket += 1
+            self._next_bucket += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            grads = [self._params[i].grad for i in bucket.indices]
-            torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), torch.no_grad():
+            for i, part in bucket.slices(self._params):
+                grad = self._params[i].grad
+                if grad is None:  # unused here (find_unused_parameters): contribute zeros
+                    part.zero_()
+                else:
+                    part.view(grad.shape).copy_(grad)
             bucket.buffer.div_(self.world_size)
             if bucket.wire:
                 bucket.wire[dist.get_rank()].copy_(bucket.buffer)
@@ -185,84 +243,81 @@ class DistributedDataParallel(nn.Module):
             else:
                 bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
 
-    def finish_gradient_sync(self) -> None:
-        """Waits until every gradient is averaged across ranks; call before ``optimizer.step()``."""
-        if not self._sync_this_backward:
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        if not self._arrived:  # e.g. autograd.grad() through the outputs: no .grad was written
             return
-        if not self._buckets:
-            self._build_plan()
-        self._handle_unused()
-        self._launch_ready_buckets(everything=True)
+        try:
+            if not self._buckets:
+                self._build_plan()
+            missing = [self._names[i] for i in self._bucket_of if i not in self._arrived]
+            if missing and not self.find_unused_parameters:
+                raise RuntimeError(
+                    f"parameters that require grad got no gradient in this backward: {', '.join(missing)}. "
+                    "Use them in forward, set requires_grad=False, or pass find_unused_parameters=True."
+                )
+            self._launch_ready_buckets(everything=True)
+            used = self._used_anywhere() if self.find_unused_parameters else None
+            if self.before_comm_wait is not None:
+                self.before_comm_wait()
+            self._wait_and_write_back(used)
+        finally:
+            for bucket in self._buckets:
+                bucket.pending, bucket.work = len(bucket.indices), None
+            self._arrived, self._next_bucket = {}, 0
+
+    def _used_anywhere(self) -> list[bool]:
+        # After every bucket, so that all ranks issue their collectives in the same order.
+        counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._buckets[0].buffer.device)
+        counts[list(self._arrived)] = 1
+        dist.all_reduce(counts)
+        return [bool(count) for count in counts.tolist()]
+
+    @torch.no_grad()
+    def _wait_and_write_back(self, used: list[bool] | None) -> None:
         for bucket in self._buckets:
             bucket.work.wait()
             if bucket.wire:  # the fp32 sum of every rank's bf16 share
                 torch.sum(torch.stack(bucket.wire), dim=0, dtype=torch.float32, out=bucket.buffer)
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        with torch.no_grad():
-            for bucket in self._buckets:
-                offset = 0
-                for i in bucket.indices:
-                    grad = self._params[i].grad
-                    grad.copy_(bucket.buffer[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
-                bucket.pending, bucket.work = len(bucket.indices), None
-        self._step = _Step()
-
-    def _handle_unused(self) -> None:
-        arrived = set(self._step.arrived)
-        unused = [i for i in self._bucket_of if i not in arrived]
-        if unused and not self.find_unused_parameters:
-            names = ", ".join(self._names[i] for i in unused)
-            raise RuntimeError(
-                f"parameters that require grad got no gradient in this backward: {names}. "
-                "Use them in forward, set requires_grad=False, or pass find_unused_parameters=True "
-                "(mode.find_unused_parameters=true)."
-            )
-        for i in unused:  # other ranks may have used them: contribute zeros to the average
-            param = self._params[i]
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            self._bucket_of[i].pending -= 1
+        for bucket in self._buckets:
+            for i, part in bucket.slices(self._params):
+                param = self._params[i]
+                if used is not None and not used[i]:  # used on no rank: .grad untouched, as torch DDP
+                    continue
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.copy_(part.view(param.shape))
 
     def _build_plan(self) -> None:
-        recorded = self._step.arrived
-        # Every rank must build the same buckets: take rank 0's arrival order.
-        agreed = [recorded]
-        dist.broadcast_object_list(agreed, src=0)
-        order = list(dict.fromkeys(agreed[0]))
-        # Parameters rank 0 never saw come last, in reverse registration order (roughly backward's).
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        seen = set(order)
-        order += [i for i in reversed(trainable) if i not in seen]
-        self._buckets = []
-        open_buckets: dict[torch.dtype, tuple[list[int], int]] = {}  # dtype -> (indices, elements)
-        for i in order:
-            dtype, numel = self._params[i].dtype, self._params[i].numel()
-            indices, size = open_buckets.get(dtype, ([], 0))
-            if indices and size + numel > self.message_size:
-                self._add_bucket(indices)
-                indices, size = [], 0
-            open_buckets[dtype] = (indices + [i], size + numel)
-        for indices, _ in open_buckets.values():
-            self._add_bucket(indices)
-        if dist.get_backend() == "gloo" and torch.float16 in open_buckets:
+        order = agreed_order(list(self._arrived), trainable)
+        self._buckets = build_buckets(order, self._params, self.message_size, self.compress_bf16, self.world_size)
+        self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
+        if dist.get_backend() == "gloo" and any(b.buffer.dtype == torch.float16 for b in self._buckets):
             warnings.warn(
                 "fp16 gradients on gloo: gloo sums fp16 slowly and with fp16 rounding; "
                 "prefer bf16 or fp32 gradients on CPU",
-                stacklevel=3,
+                stacklevel=2,
             )
-        # This backward's hooks fired before the plan existed: count them in now.
-        for i in set(recorded):
-            self._bucket_of[i].pending -= 1
 
-    def _add_bucket(self, indices: list[int]) -> None:
-        first = self._params[indices[0]]
-        numel = sum(self._params[i].numel() for i in indices)
-        bucket = _Bucket(indices, torch.empty(numel, dtype=first.dtype, device=first.device), len(indices))
-        if self.compress_bf16 and first.dtype == torch.float32:
-            bucket.wire = [
-                torch.empty(numel, dtype=torch.bfloat16, device=first.device) for _ in range(self.world_size)
-            ]
-        self._buckets.append(bucket)
-        self._bucket_of.update((i, bucket) for i in indices)
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
+            raise ValueError(
+                f"{name + '.' if name else ''}weight gets sparse gradients, which this DistributedDataParallel "
+                "does not average; construct it with sparse=False, or use torch's DistributedDataParallel"
+            )

@@ -1,0 +1,384 @@
+"""Training patterns people convert, each run with a given DDP wrapper: the equivalence matrix's cases.
+
+Every pattern builds the same model on every rank, wraps it, trains a few optimizer steps on this
+rank's share of the global batch and returns what must agree with torch DDP (and, where the pattern
+means the same there, with one process on the global batch): parameters, gradients left ``None``,
+buffers, eval outputs, or the error it raised.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
+STEPS = 3
+PATTERNS = {}
+
+
+def pattern(fn):
+    PATTERNS[fn.__name__] = fn
+    return fn
+
+
+class Plain(nn.Module):
+    """One process, no wrapper: the reference on the global batch."""
+
+    def __init__(self, module: nn.Module, **_) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return nullcontext()
+
+
+def data(step: int, rank: int, world_size: int, features: int = 8, n: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(n, features, generator=g), torch.randn(n, 2, generator=g)
+    return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # Momentum and weight decay move a parameter whose gradient is zero, not one whose gradient is None.
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def params(model: nn.Module) -> dict:
+    return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def train(model, rank, world_size, steps=STEPS, forward=None, after_backward=None) -> dict:
+    opt = optimizer(model)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        F.mse_loss((forward or model)(x), y).backward()
+        if after_backward:
+            after_backward(model)
+        opt.step()
+    return params(model)
+
+
+@pattern
+def plain_steps(rank, world_size, wrap):
+    return train(wrap(mlp()), rank, world_size)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode = nn.Linear(8, 8)
+        self.decode = nn.Linear(8, 8)
+        self.decode.weight = self.encode.weight  # tied, as input/output embeddings
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.decode(self.encode(x).tanh()).tanh())
+
+
+@pattern
+def tied_weights(rank, world_size, wrap):
+    return train(wrap(Tied()), rank, world_size)
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(self.inner(x).tanh()).tanh())
+
+
+@pattern
+def submodule_called_twice(rank, world_size, wrap):
+    return train(wrap(Twice()), rank, world_size)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 8).double()
+        self.second = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.second(self.first(x.double()).tanh().float())
+
+
+@pattern
+def dtype_mix(rank, world_size, wrap):
+    return train(wrap(Mixed(), message_size=40), rank, world_size)
+
+
+class RankOrder(nn.Module):
+    """Two branches computed in an order that depends on the rank: hooks fire in another order."""
+
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.rank = nn.Linear(8, 2), nn.Linear(8, 2), rank
+
+    def forward(self, x):
+        if self.rank % 2:
+            b = self.b(x)
+            return self.a(x) + b
+        return self.a(x) + self.b(x)
+
+
+@pattern
+def arrival_order_differs_across_ranks(rank, world_size, wrap):
+    return train(wrap(RankOrder(rank), message_size=20), rank, world_size)
+
+
+@pattern
+def channels_last(rank, world_size, wrap):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).to(memory_format=torch.channels_last)
+    model = wrap(net)
+    return train(model, rank, world_size, forward=lambda x: model(x.view(-1, 2, 2, 2).repeat(1, 1, 3, 3)))
+
+
+@pattern
+def no_sync_accumulation(rank, world_size, wrap):
+    model, opt = wrap(mlp()), None
+    opt = optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        half = len(x) // 2
+        with model.no_sync():
+            (F.mse_loss(model(x[:half]), y[:half]) / 2).backward()
+        (F.mse_loss(model(x[half:]), y[half:]) / 2).backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def accumulation_without_no_sync(rank, world_size, wrap):
+    model = wrap(mlp())
+    opt = optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(4):  # each backward syncs; the averaged gradients add up
+            x, y = data(10 * step + micro, rank, world_size)
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+    return params(model) | {"grad": model.module[0].weight.grad.clone()}
+
+
+@pattern
+def unfreeze_after_wrap(rank, world_size, wrap):
+    model = wrap(mlp(), find_unused_parameters=True)
+    opt = optimizer(model)
+    for step in range(STEPS + 1):
+        model.module[2].requires_grad_(step != 1)  # frozen for one step, then trainable again
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def frozen_at_wrap(rank, world_size, wrap):
+    net = mlp()
+    net[0].requires_grad_(False)  # a frozen backbone
+    return train(wrap(net), rank, world_size)
+
+
+@pattern
+def frozen_at_wrap_then_unfrozen(rank, world_size, wrap):
+    net = mlp()
+    net[0].requires_grad_(False)
+    model = wrap(net)
+    result = train(model, rank, world_size, steps=1)
+    net[0].requires_grad_(True)
+    return train(model, rank, world_size) | {"before": result["params"]}
+
+
+def checkpointed(reentrant: bool):
+    class Checkpointed(nn.Module):
+        """The last layers are checkpointed: backward's first gradients come from a nested backward."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.tail = nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 2))
+
+        def forward(self, x):
+            return checkpoint(self.tail, self.body(x), use_reentrant=reentrant)
+
+    return Checkpointed()
+
+
+@pattern
+def activation_checkpointing(rank, world_size, wrap):
+    return train(wrap(checkpointed(False)), rank, world_size)
+
+
+@pattern
+def activation_checkpointing_reentrant(rank, world_size, wrap):
+    return train(wrap(checkpointed(True)), rank, world_size)
+
+
+@pattern
+def clip_grad_norm_after_backward(rank, world_size, wrap):
+    return train(wrap(mlp()), rank, world_size, after_backward=lambda m: nn.utils.clip_grad_norm_(m.parameters(), 0.1))
+
+
+@pattern
+def grad_scaler_unscale_then_clip(rank, world_size, wrap):
+    model = wrap(mlp())
+    opt, scaler = optimizer(model), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        scaler.step(opt)
+        scaler.update()
+    return params(model)
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.spare = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x, use_spare=False):
+        h = self.body(x).tanh()
+        return self.head(h) + (self.spare(h) if use_spare else 0)
+
+
+@pattern
+def unused_on_every_rank(rank, world_size, wrap):
+    model = wrap(Heads(), find_unused_parameters=True)
+    result = train(model, rank, world_size)
+    return result | {"spare_grad_is_none": model.module.spare.weight.grad is None}
+
+
+@pattern
+def unused_on_some_ranks(rank, world_size, wrap):
+    model = wrap(Heads(), find_unused_parameters=True)
+    return train(model, rank, world_size, forward=lambda x: model(x, use_spare=rank == 1))
+
+
+def bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def bn_state(model, outputs) -> dict:
+    bn = model.module[1]
+    return params(model) | {"running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone()} | outputs
+
+
+@pattern
+def batchnorm_eval_between_steps(rank, world_size, wrap):
+    model = wrap(bn_net())
+    opt, outputs = optimizer(model), {}
+    probe = torch.ones(2, 8)
+    for step in range(STEPS):
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        F.mse_loss(model(x + rank), y).backward()  # + rank: each rank's statistics drift apart
+        outputs[f"after_train_{step}"] = model.module[1].running_mean.clone()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            for i in range(2):
+                outputs[f"eval_{step}_{i}"] = model(probe)
+    return bn_state(model, outputs)
+
+
+@pattern
+def batchnorm_no_sync_micro_batches(rank, world_size, wrap):
+    model = wrap(bn_net())
+    opt, outputs = optimizer(model), {}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        half = len(x) // 2
+        with model.no_sync():
+            F.mse_loss(model(x[:half] + rank), y[:half]).backward()
+        outputs[f"after_no_sync_{step}"] = model.module[1].running_mean.clone()
+        F.mse_loss(model(x[half:] + rank), y[half:]).backward()
+        outputs[f"after_sync_{step}"] = model.module[1].running_mean.clone()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        return bn_state(model, outputs | {"eval": model(torch.ones(2, 8))})
+
+
+@pattern
+def retain_graph_second_backward(rank, world_size, wrap):
+    model = wrap(mlp())
+    opt = optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        out = model(x)
+        F.mse_loss(out, y).backward(retain_graph=True)
+        out.pow(2).mean().backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def parameterless_module(rank, world_size, wrap):
+    model = wrap(nn.BatchNorm1d(8, affine=False))
+    for step in range(STEPS):
+        x, _ = data(step, rank, world_size)
+        model(x + rank)
+    model(torch.ones(2, 8))
+    return {"running_mean": model.module.running_mean.clone()}
+
+
+@pattern
+def sparse_embedding(rank, world_size, wrap):
+    torch.manual_seed(0)
+    model = wrap(nn.Sequential(nn.Embedding(10, 2, sparse=True)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        model(torch.arange(rank, 10, 3)).sum().backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def finish_gradient_sync_twice(rank, world_size, wrap):
+    def finish_twice(model):
+        for _ in range(2):
+            getattr(model, "finish_gradient_sync", lambda: None)()
+
+    return train(wrap(mlp()), rank, world_size, after_backward=finish_twice)
+
+
+def run_all(rank: int, world_size: int, wrap) -> dict:
+    """Every pattern's result, or the one line its exception said (a failing pattern does not stop the rest)."""
+    results = {}
+    for name, fn in PATTERNS.items():
+        try:
+            results[name] = fn(rank, world_size, wrap)
+        except Exception as error:  # noqa: BLE001 - reported per pattern
+            results[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
+    return results
