@@ -150,6 +150,7 @@ def train(
                         "rng": rng,
                         "world_size": world_size,
                         "config": config_yaml,
+                        "format": checkpoint.FORMAT,
                     },
                     run_dir / "checkpoint.pt",
                 )

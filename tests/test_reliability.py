@@ -1,6 +1,7 @@
 """Bad input, faults and interruptions: never a hang, never lost data, always one clear line."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_config
 from distributed import run_ranks
 
+from mnist_dist import checkpoint
 from mnist_dist.config import ConfigError
-from mnist_dist.launch import resolve_device
+from mnist_dist.launch import launch, resolve_device
 from mnist_dist.parallel import DistributedDataParallel
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]
@@ -203,3 +206,164 @@ def test_soak_three_ranks_leak_nothing(tmp_path):
     for (rss_early, fds_early, threads_early), (rss_late, fds_late, threads_late) in run_ranks(soak, 3, tmp_path, 400):
         assert rss_late - rss_early < 2048, "resident memory grew by more than 2 MiB"  # kB
         assert fds_late == fds_early and threads_late == threads_early
+
+
+# --- round 2 (issue 13): each test below failed on commit 32352fb -----------------------------
+
+
+class _RunsCode:
+    """Unpickling this runs code: what a crafted checkpoint.pt would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line(tmp_path):
+    marker = tmp_path / "code_ran"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 1, "rng": [], "x": _RunsCode(str(marker))}, tmp_path / "c.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "c.pt")
+    assert not marker.exists()
+    assert str(error.value).startswith(f"resume={tmp_path}/c.pt: cannot read the checkpoint (UnpicklingError: ")
+    assert "\n" not in str(error.value)
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on, from /proc (no psutil here)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.append(fields[1])
+    return addresses
+
+
+def _listeners_of_job(rank, world_size):
+    pids = [None] * world_size
+    torch.distributed.all_gather_object(pids, os.getpid())
+    return _listening_addresses([os.getppid(), *pids]) if rank == 0 else []
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split(":")[0]
+    if len(host) == 8:  # IPv4, little-endian hex: 127.x.x.x ends in 7F
+        return host.endswith("7F")
+    return host == "0" * 31 + "1" or host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
+
+
+def test_a_spawned_job_listens_on_loopback_only(tmp_path):
+    addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
+    assert addresses, "found no listening socket at all: the check would prove nothing"
+    assert [a for a in addresses if not _is_loopback(a)] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be read
+
+
+def test_workers_die_with_a_killed_launcher(tiny_root, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    process = start(
+        tmp_path,
+        "mode=ddp",
+        "gpus=2",
+        f"data.root={tiny_root}",
+        *TINY,
+        "epochs=50",
+        "model._target_=failing_model.FailingConvNet",
+        "+model.fail_rank=-1",
+        "+model.step_seconds=0.05",
+        f"+model.pid_dir={pids}",
+    )
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(p.name) for p in pids.iterdir()]
+    assert len(workers) == 2
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if _alive(pid)] == []
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_root, tmp_path_factory) -> Path:
+    """A run directory after one epoch of single mode on the tiny data (do not modify it)."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    launch(compose_config(tiny_root, "epochs=1", "batch_size=32"), run_dir)
+    return run_dir
+
+
+def _resume_config(tiny_root, run_dir, *overrides):
+    return compose_config(tiny_root, "epochs=2", "batch_size=32", f"resume={run_dir}", *overrides)
+
+
+def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError) as error:
+        launch(_resume_config(tiny_root, run_dir, "model=resnet", "resume_allow_changes=true"), tmp_path / "new")
+    assert str(error.value).startswith(
+        "resume: the checkpoint does not fit model=mnist_dist.model.ResNet with optim.name=Adadelta (RuntimeError: "
+    )
+    assert "\n" not in str(error.value)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("key", ["scheduler", "config", "world_size", "step", "rng"])
+def test_a_checkpoint_missing_an_entry_is_one_line(trained, tmp_path, key):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    del state[key]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    assert str(error.value) == (
+        f"resume={tmp_path}/checkpoint.pt: the checkpoint lacks or has a wrong {key} (damaged, or not written by "
+        "mnist_dist); resume from another checkpoint.pt"
+    )
+
+
+def test_a_checkpoint_from_before_format_versions_resumes(tiny_root, trained, tmp_path):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    del state["format"], state["scaler"]  # as written before commit 32352fb
+    (tmp_path / "old").mkdir()
+    torch.save(state, tmp_path / "old" / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        launch(_resume_config(tiny_root, tmp_path / "old", "amp=fp16"), tmp_path / "unused")
+    assert str(error.value) == (
+        "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16, or by an older "
+        "mnist_dist); resume with the amp it was trained with"
+    )
+    launch(_resume_config(tiny_root, tmp_path / "old"), tmp_path / "unused")
+    assert torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)["epoch"] == 2
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    state["format"] = 99
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    assert str(error.value) == (
+        f"resume={tmp_path}/checkpoint.pt: checkpoint format 99, but this version of mnist_dist reads formats 1 "
+        "to 2; resume it with the version that wrote it"
+    )
