@@ -7,6 +7,7 @@ wrong type fails while the config is composed, before anything runs or is writte
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,8 +108,12 @@ def validate(cfg: Config) -> None:
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    if not math.isfinite(cfg.optim.lr):
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be a finite number")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
     if cfg.mode.message_size <= 0:
         raise ConfigError(f"mode.message_size={cfg.mode.message_size} must be positive")
     if cfg.mode.name == "split" and cfg.gpus > 2:

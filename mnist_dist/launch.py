@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, guards, rundir
 from mnist_dist.config import DISTRIBUTED_MODES, Config, ConfigError, data_root, devices_needed, world_size
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.parallel import WorkerFailed, spawn
+from mnist_dist.parallel.spawn import die_with_parent
 from mnist_dist.train import train
 
 __all__ = ["launch", "resolve_device", "WorkerFailed"]
@@ -61,6 +62,7 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
     distributed = cfg.mode.name in DISTRIBUTED_MODES
     device = resolve_device(cfg)
     _check_sync_batchnorm(cfg, device)
+    guards.check_cpu_capacity(cfg, device)
     if distributed and cfg.dist.port:
         _check_port(cfg.dist.port)  # before any work; a free port is picked just before spawning
     if device == "cpu" and cfg.device == "auto" and distributed:
@@ -72,6 +74,7 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
             cfg.mode.name,
         )
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
+    guards.check_batch_fits(cfg, data_dir)
     if not distributed:
         return train(cfg, run_dir, data_dir, device)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
@@ -85,6 +88,7 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
+    die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if cfg.mode.name not in DISTRIBUTED_MODES:
@@ -97,13 +101,11 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     _check_sync_batchnorm(cfg, device)
     _share_cpu(device, local_size)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
-    # Only rank 0 had Hydra create a run directory (see __main__): everyone writes there.
-    shared = [str(run_dir)]
-    dist.broadcast_object_list(shared, src=0)
-    run_dir = Path(shared[0])
+    run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
     if local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
+    guards.check_batch_fits(cfg, raw_dir(cfg.data.name, data_root(cfg)))
     return train(
         cfg, run_dir, raw_dir(cfg.data.name, data_root(cfg)), device, rank=rank, world_size=size, local_rank=local_rank
     )

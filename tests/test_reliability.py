@@ -1,5 +1,7 @@
 """Bad input, faults and interruptions: never a hang, never lost data, always one clear line."""
 
+import errno
+import io
 import os
 import shutil
 import signal
@@ -15,7 +17,7 @@ from conftest import compose_config
 from distributed import run_ranks
 
 from mnist_dist import checkpoint
-from mnist_dist.config import ConfigError
+from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch, resolve_device
 from mnist_dist.parallel import DistributedDataParallel
 
@@ -366,4 +368,168 @@ def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
     assert str(error.value) == (
         f"resume={tmp_path}/checkpoint.pt: checkpoint format 99, but this version of mnist_dist reads formats 1 "
         "to 2; resume it with the version that wrote it"
+    )
+
+
+def test_two_launches_in_the_same_second_get_two_directories(tiny_root, tmp_path):
+    assert "${unique_dir:outputs/${now:" in Path("conf/config.yaml").read_text()  # the default uses it
+    # The default's name with the time fixed, so that both launches ask for the same directory.
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mnist_dist", f"data.root={tiny_root}", *TINY, "epochs=1"]
+            + ["hydra.run.dir=${unique_dir:outputs/same_second}"],
+            cwd=tmp_path,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    dirs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert dirs == ["same_second", "same_second_2"]
+    for name in dirs:
+        assert (tmp_path / "outputs" / name / "results.json").is_file()
+        assert len((tmp_path / "outputs" / name / "rank_0.log").read_text().split("results: ")) == 2
+
+
+def test_a_directory_a_live_run_writes_to_is_refused(tiny_root, tmp_path):
+    first = start(
+        tmp_path,
+        f"data.root={tiny_root}",
+        *TINY,
+        "epochs=50",
+        "model._target_=failing_model.FailingConvNet",
+        "+model.fail_rank=-1",
+        "+model.step_seconds=0.05",
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "rank_0.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        code, err = finish(start(tmp_path, f"data.root={tiny_root}", *TINY, "epochs=1"))
+        assert code == 1
+        assert err == (
+            f"error: {tmp_path}/run is in use by another run that is still alive; wait for it, or pass another "
+            "hydra.run.dir\n"
+        )
+        assert first.poll() is None and not (tmp_path / "run" / "results.json").exists()
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path):
+    code, err = finish(
+        start(
+            tmp_path,
+            f"data.root={tiny_root}",
+            *TINY,
+            "model._target_=failing_model.FailingConvNet",
+            "+model.fail_rank=0",
+        )
+    )
+    assert code == 1
+    assert err == f"error: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)\n"
+    assert "Traceback" in (tmp_path / "run" / "rank_0.log").read_text()
+
+
+def test_a_failing_ddp_rank_prints_no_traceback(tiny_root, tmp_path):
+    code, err = finish(
+        start(
+            tmp_path,
+            "mode=ddp",
+            "gpus=2",
+            f"data.root={tiny_root}",
+            *TINY,
+            "model._target_=failing_model.FailingConvNet",
+            "+model.fail_rank=0",
+        )
+    )
+    assert code == 1
+    assert err == (f"error: rank 0 failed: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)\n")
+
+
+def test_a_checkpoint_save_on_a_full_disk_names_the_path_and_cleans_up(tmp_path, monkeypatch):
+    stale = tmp_path / ".checkpoint.pt.killed.tmp"  # what a write killed by a signal leaves
+    stale.write_bytes(b"half")
+
+    class Full(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(fd, mode))
+    with pytest.raises(OSError) as error:
+        checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
+    monkeypatch.undo()
+    assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(tmp_path / "checkpoint.pt"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs: room for logs and config, not for a checkpoint (about 14 MB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, mode):
+    run = small_disk / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mnist_dist", f"mode={mode}", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1"]
+        + [f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    code, err = finish(process)
+    assert code == 1 and err.count("\n") == 1, err
+    expected = "No space left on device"
+    assert expected in err and f"{run}/checkpoint.pt" in err, err
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        launch(make_config("batch_size=1024", "epochs=1"), tmp_path)
+    assert str(error.value) == (
+        "batch_size=1024 is larger than the training set (640 images): no step would run; use batch_size=640 or less"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=nan", "optim.lr=nan must be a finite number"),
+        ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+        ("dist.timeout_s=0", "dist.timeout_s=0 must be at least 1 (seconds)"),
+        ("dist.timeout_s=-5", "dist.timeout_s=-5 must be at least 1 (seconds)"),
+    ],
+)
+def test_non_finite_rates_and_timeouts_are_refused(make_config, override, message):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(override))
+    assert str(error.value) == message
+
+
+def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, monkeypatch):
+    from mnist_dist import guards
+    from mnist_dist import launch as launcher
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("64 workers were started")
+
+    monkeypatch.setattr(launcher, "spawn", spawn)
+    monkeypatch.setattr(guards, "available_memory", lambda: 24 * 2**30, raising=False)
+    with pytest.raises(ConfigError) as error:
+        launch(make_config("mode=ddp", "gpus=64", "device=cpu", "batch_size=64"), tmp_path)
+    assert str(error.value) == (
+        "gpus=64 CPU workers need about 43.8 GiB (700 MiB each) but 24.0 GiB is available; use gpus=35 or fewer"
     )
