@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import hydra
@@ -23,28 +24,35 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from mnist_dist import checkpoint, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
+from mnist_dist.errors import describe_os_error, last_resort, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.train import TrainingDiverged
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    config: Config = OmegaConf.to_object(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` clauses stop the workers
     try:
+        config: Config = OmegaConf.to_object(cfg)
         validate(config)
-        launch(config, run_dir)
+        with ExitStack() as held:
+            for directory in _directories_written(config, run_dir):
+                held.enter_context(rundir.owned(directory))  # refused while a live run writes there
+            launch(config, run_dir)
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except OSError as error:  # disk full, a path that cannot be written, ...
-        sys.exit(f"error: {_describe_os_error(error)}")
+        sys.exit(f"error: {describe_os_error(error)}")
     except KeyboardInterrupt:
         sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
+    except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
+        sys.exit(last_resort(error, rank_log(run_dir / f"rank_{os.environ.get('RANK', '0')}.log")))
     finally:
         _remove_if_unused(run_dir)
 
@@ -53,14 +61,17 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _describe_os_error(error: OSError) -> str:
-    return f"cannot write {error.filename}: {error.strerror}" if error.filename else str(error)
+def _directories_written(config: Config, run_dir: Path) -> list[Path]:
+    # Under torchrun only rank 0 had Hydra create a directory; the others' run_dir is the cwd.
+    if os.environ.get("RANK", "0") != "0":
+        return []
+    return [checkpoint.locate(config.resume).parent] if config.resume else [run_dir]
 
 
 def _remove_if_unused(run_dir: Path) -> None:
     # A run that failed before training, or resumed in its old directory, leaves only Hydra's
-    # .hydra/ here: remove it rather than leave a half-written run behind.
-    if run_dir != Path.cwd() and {p.name for p in run_dir.iterdir()} == {".hydra"}:
+    # .hydra/ (and the released lock) here: remove it rather than leave a half-written run behind.
+    if run_dir != Path.cwd() and {p.name for p in run_dir.iterdir()} <= {".hydra", rundir.LOCK}:
         shutil.rmtree(run_dir)
 
 
@@ -82,4 +93,6 @@ if __name__ == "__main__":
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error)}")
     except OSError as error:  # Hydra could not create the run directory
-        sys.exit(f"error: {_describe_os_error(error)}")
+        sys.exit(f"error: {describe_os_error(error)}")
+    except Exception as error:  # before any run directory exists: nowhere to keep a traceback
+        sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

@@ -1,9 +1,19 @@
 """Checkpoints: written so that a crash mid-write never leaves a half file under the final name,
 read back with clear errors, and holding every rank's random state so that a resumed run continues
-exactly where the interrupted one stopped."""
+exactly where the interrupted one stopped.
+
+A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
+a crafted file cannot run code. Its ``format`` key says which layout it has:
+
+- no key (format 1, before this key existed): read; a missing ``scaler`` (checkpoints written before
+  the fp16 loss scale was kept) counts as none, which is refused only with ``amp=fp16``.
+- 2: the current layout.
+"""
 
 from __future__ import annotations
 
+import glob
+import io
 import json
 import os
 import random
@@ -13,33 +23,59 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from mnist_dist.config import Config, ConfigError, world_size
+from mnist_dist.config import Config
+from mnist_dist.errors import ConfigError
+from mnist_dist.modes import world_size
+
+FORMAT = 2
+# What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
+_ENTRIES = {
+    "model": dict,
+    "optimizer": dict,
+    "scheduler": dict,
+    "scaler": dict,
+    "epoch": int,
+    "step": int,
+    "rng": list,
+    "world_size": int,
+    "config": str,
+}
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, data: bytes | memoryview) -> None:
     # Write beside the target, then rename: os.replace is atomic on POSIX, so readers see either
-    # the old file or the new one, never a truncated mix.
+    # the old file or the new one, never a truncated mix. A write killed by a signal leaves its temp
+    # file: the next save of the same file removes it (run directories are never shared).
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            write(handle)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as error:  # a write to a descriptor names no file: name the one that failed
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(error.errno, error.strerror, str(path)) from None
     except BaseException:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def save(obj: Any, path: Path) -> None:
-    """torch.save, atomically."""
-    _atomic_write(path, lambda handle: torch.save(obj, handle))
+    """torch.save, atomically. Serialised in memory first: a full disk then fails in a plain write,
+    as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _atomic_write(path, buffer.getbuffer())
 
 
 def save_json(obj: dict, path: Path) -> None:
-    _atomic_write(path, lambda handle: handle.write((json.dumps(obj, indent=2) + "\n").encode()))
+    _atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def locate(resume: str) -> Path:
@@ -55,33 +91,50 @@ def locate(resume: str) -> Path:
 
 
 def load(path: Path) -> dict:
+    """The checkpoint at ``path``, in the current format, or a ConfigError (one line) saying why not."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # truncated, not a checkpoint, unreadable: all mean the same to the user
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, not a checkpoint, crafted, unreadable: the same to the user
         raise ConfigError(
             f"resume={path}: cannot read the checkpoint ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else 'no detail'})"
         ) from None
-    if not isinstance(state, dict) or not {"model", "optimizer", "epoch", "rng"} <= state.keys():
+    if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} & state.keys():
         raise ConfigError(
             f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)"
+        )
+    version = state.pop("format", 1)
+    if version not in (1, FORMAT):
+        raise ConfigError(
+            f"resume={path}: checkpoint format {version!r}, but this version of mnist_dist reads formats 1 to "
+            f"{FORMAT}; resume it with the version that wrote it"
+        )
+    state.setdefault("scaler", {})  # format 1 before the fp16 loss scale was kept: none
+    wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
+    if wrong:
+        raise ConfigError(
+            f"resume={path}: the checkpoint lacks or has a wrong {', '.join(wrong)} (damaged, or not written by "
+            "mnist_dist); resume from another checkpoint.pt"
         )
     return state
 
 
 def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses to continue a run with a different model, global batch or world size, unless told to."""
-    saved = OmegaConf.create(state["config"])
-    changes = [
-        f"{key} {before} -> {after}"
-        for key, before, after in (
+    """Refuses to continue a run with a different model, global batch or world size, unless told to,
+    and anything the run could not restore: checked before anything is written."""
+    try:
+        saved = OmegaConf.create(state["config"])
+        compared = [
             ("model", OmegaConf.to_container(saved.model), cfg.model),
             ("batch_size", saved.batch_size, cfg.batch_size),
             ("world_size", state["world_size"], world_size(cfg)),
             ("data", saved.data.name, cfg.data.name),
-        )
-        if before != after
-    ]
+        ]
+    except Exception:
+        raise ConfigError(
+            "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
+        ) from None
+    changes = [f"{key} {before} -> {after}" for key, before, after in compared if before != after]
     if changes and not cfg.resume_allow_changes:
         raise ConfigError(
             f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
@@ -92,6 +145,30 @@ def check_resumable(state: dict, cfg: Config) -> None:
             f"resume: the checkpoint has finished epoch {state['epoch']} of {cfg.epochs}; "
             f"pass epochs={state['epoch'] + 1} or more to train further"
         )
+    if cfg.amp == "fp16" and not state["scaler"]:
+        raise ConfigError(
+            "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16, or by an older "
+            "mnist_dist); resume with the amp it was trained with"
+        )
+    _check_restorable(state, cfg)
+
+
+def _check_restorable(state: dict, cfg: Config) -> None:
+    # What train does on resume, done here on the CPU: a model or optimizer that does not fit fails
+    # now, with one line, not in every worker after the run directory was written to.
+    try:
+        model = instantiate(cfg.model)
+        model.load_state_dict(state["model"])
+        optimizer = instantiate(cfg.optim)(model.parameters())
+        optimizer.load_state_dict(state["optimizer"])
+        instantiate(cfg.scheduler)(optimizer).load_state_dict(state["scheduler"])
+    except Exception as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
+        raise ConfigError(
+            f"resume: the checkpoint does not fit model={cfg.model.get('_target_')} with optim="
+            f"{cfg.optim.get('_target_')} ({type(error).__name__}: {detail.rstrip(':')}); resume with the model and "
+            "optimizer it was trained with"
+        ) from None
 
 
 def rng_states_of_all_ranks() -> list[dict]:

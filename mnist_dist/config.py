@@ -97,7 +97,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"optim.lr={float(lr)} must be positive")
+        raise ConfigError(f"optim.lr={float(lr)} must be a finite positive number")
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
     if getattr(cfg.mode, "message_size", 1) <= 0:
         raise ConfigError(f"mode.message_size={cfg.mode.message_size} must be positive")
     most = MODES[cfg.mode.name].max_gpus

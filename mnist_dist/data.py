@@ -6,10 +6,11 @@ only ever call `load_split`, which needs no network and trusts the files.
 """
 
 import gzip
+import json
 import logging
 import os
-import shutil
 import struct
+import urllib.request
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,12 +22,14 @@ import torch
 from filelock import FileLock
 from torchvision.datasets import MNIST, FashionMNIST
 from torchvision.datasets.mnist import read_image_file, read_label_file
-from torchvision.datasets.utils import check_integrity, download_url
+from torchvision.datasets.utils import check_integrity
 
 log = logging.getLogger(__name__)
 
 _DATASETS = {"mnist": MNIST, "fashion_mnist": FashionMNIST}
 _SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
+_FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
+_TIMEOUT_S = 60  # per network read
 # What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
 # stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
 _SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
@@ -57,28 +60,39 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
     """Make <root>/<Folder>/raw hold the four decompressed, validated IDX files and return that dir.
 
-    Idempotent and cheap once done (headers and label bytes are re-checked, nothing is fetched).
-    The lock makes a second launch sharing `root` wait, then find the files ready.
+    Idempotent and cheap once done (headers and label bytes are re-checked, nothing is fetched, no
+    file is written: a read-only root works). Otherwise a lock makes a second launch sharing `root`
+    wait, then find the files ready. A file prepare did not write is never deleted or replaced.
     """
     cls = dataset_class(name)
     raw = raw_dir(name, root)
-    raw.mkdir(parents=True, exist_ok=True)
-    with FileLock(raw.parent / ".prepare.lock"):
-        counts = {gz: _get_file(name, cls, raw, gz, md5, mirrors) for gz, md5 in cls.resources}
-        for prefix, standard in _SPLITS:
-            n_images = counts[f"{prefix}-images-idx3-ubyte.gz"]
-            n_labels = counts[f"{prefix}-labels-idx1-ubyte.gz"]
-            if n_images != n_labels:
-                raise DataError(
-                    f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but "
-                    f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
-                    f"there, or delete both to fetch them again"
-                )
-            if n_images != standard:
-                log.warning(
-                    "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard
-                )
+    counts = _valid_counts(cls, raw)
+    if counts is None:
+        raw.mkdir(parents=True, exist_ok=True)
+        with FileLock(raw.parent / ".prepare.lock"):
+            counts = {gz: _get_file(name, cls, raw, gz, md5, mirrors) for gz, md5 in cls.resources}
+    for prefix, standard in _SPLITS:
+        n_images = counts[f"{prefix}-images-idx3-ubyte.gz"]
+        n_labels = counts[f"{prefix}-labels-idx1-ubyte.gz"]
+        if n_images != n_labels:
+            raise DataError(
+                f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but "
+                f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
+                f"there, or delete both to fetch them again"
+            )
+        if n_images != standard:
+            log.warning(
+                "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard
+            )
     return raw
+
+
+def _valid_counts(cls: type, raw: Path) -> dict[str, int] | None:
+    """Item counts by .gz name when all four decompressed files are in place and valid, else None."""
+    try:
+        return {gz: _check_idx(raw / gz.removesuffix(".gz"), "-images-" in gz) for gz, _ in cls.resources}
+    except (DataError, OSError):
+        return None
 
 
 def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,18 +121,24 @@ def to_device_tensors(
 def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: Sequence[str]) -> int:
     """Ensure raw/<gz_name minus .gz> is a valid IDX file and return its item count.
 
-    Order: the decompressed file already there, the .gz already there, then each mirror.
+    Order: the decompressed file already there, the .gz already there, then each mirror. A bad file
+    there that prepare did not write (the user's) is named and left alone.
     """
     dest = raw / gz_name.removesuffix(".gz")
     images = "-images-" in gz_name
     tried = []
-    if dest.exists():
+    if dest.exists() or dest.is_symlink():  # a dangling or looping link is the user's file too
         try:
             return _check_idx(dest, images)
-        except DataError as e:
-            log.warning("%s is invalid (%s); deleting it and fetching it again", dest, e)
-            tried.append(f"{dest} ({e})")
-            dest.unlink()
+        except (DataError, OSError) as e:
+            reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e.strerror}"
+            if not _fetched_here(dest):
+                raise DataError(
+                    f"{dest} is invalid ({reason}); mnist_dist did not write it, so it is left alone: "
+                    "fix it, or move it away to have it fetched again"
+                ) from None
+            log.warning("%s is invalid (%s); fetching it again", dest, reason)
+            tried.append(f"{dest} ({reason})")
     official = {m.rstrip("/") for m in cls.mirrors}
     local_gz = [str(raw)] if (raw / gz_name).is_file() else []
     for source in [*local_gz, *mirrors]:
@@ -127,15 +147,14 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
             with _fetch(source, gz_name, checked_md5, raw) as src, _atomic(dest) as tmp:
                 opener = gzip.open if src.suffix == ".gz" else open
                 with opener(src, "rb") as fin, open(tmp, "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
+                    _copy_at_most(fin, fout, _largest_valid(gz_name))
                 count = _check_idx(tmp, images)
+            _record_fetched(dest)
             log.info("%s: got %s from %s", name, dest.name, source)
             return count
         except _SOURCE_ERRORS as e:
             reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
             tried.append(f"{source} ({' '.join(reason.split())})")  # one line, whatever e says
-            if source in local_gz:
-                (raw / gz_name).unlink()  # a bad .gz of ours would only fail again next time
     debian = (
         " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
         if cls is FashionMNIST
@@ -147,6 +166,39 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
     )
 
 
+def _largest_valid(gz_name: str) -> int:
+    """Bytes of the decompressed file at the standard size: no valid file is larger."""
+    standard = dict(_SPLITS)[gz_name.split("-")[0]]
+    return (16 + standard * 784) if "-images-" in gz_name else (8 + standard)
+
+
+def _copy_at_most(fin, fout, limit: int) -> None:
+    """Copy, but stop with a DataError past ``limit`` bytes: a small .gz can expand without bound."""
+    copied = 0
+    while chunk := fin.read(1 << 20):
+        copied += len(chunk)
+        if copied > limit:
+            raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
+        fout.write(chunk)
+
+
+def _fetched_here(dest: Path) -> bool:
+    try:
+        return json.loads((dest.parent.parent / _FETCHED).read_text()).get(dest.name) == dest.stat().st_ino
+    except (OSError, ValueError):
+        return False
+
+
+def _record_fetched(dest: Path) -> None:
+    record = dest.parent.parent / _FETCHED
+    try:
+        fetched = json.loads(record.read_text())
+    except (OSError, ValueError):
+        fetched = {}
+    fetched[dest.name] = dest.stat().st_ino
+    record.write_text(json.dumps(fetched))
+
+
 @contextmanager
 def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Path]:
     """Yield a local path to gz_name (or, from a local dir, its decompressed twin) at `source`.
@@ -156,9 +208,8 @@ def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Pa
     """
     if source.startswith(("http://", "https://")):
         tmp = raw / f".download-{gz_name}"
-        tmp.unlink(missing_ok=True)  # download_url skips the download when the file already exists
         try:
-            download_url(f"{source.rstrip('/')}/{gz_name}", str(raw), tmp.name)
+            _download(f"{source.rstrip('/')}/{gz_name}", tmp, _largest_valid(gz_name) + (1 << 20))
             if md5 and not check_integrity(tmp, md5):
                 raise DataError(f"md5 mismatch, expected {md5}: corrupt download")
             yield tmp
@@ -172,6 +223,25 @@ def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Pa
             yield candidate
             return
     raise DataError("missing")
+
+
+class _NoDowngrade(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, but not from https to plain http (nor to file:// and the like)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urlparse(newurl).scheme != "https" and (req.full_url.startswith("https:") or not newurl.startswith("http:")):
+            raise DataError(f"refused a redirect from {req.full_url} to {newurl}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _download(url: str, path: Path, limit: int) -> None:
+    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received)."""
+    opener = urllib.request.build_opener(_NoDowngrade)
+    with opener.open(url, timeout=_TIMEOUT_S) as response, open(path, "wb") as out:
+        announced = int(response.headers.get("Content-Length") or 0)
+        if announced > limit:
+            raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")
+        _copy_at_most(response, out, limit)
 
 
 @contextmanager
@@ -208,3 +278,10 @@ def _check_idx(path: Path, images: bool) -> int:
     if labels and max(labels) > 9:
         raise DataError(f"label {max(labels)} out of range 0..9")
     return n
+
+
+def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
+    """The number of images of one split, from its IDX header (``prepare`` validated the file)."""
+    prefix = "train" if train else "t10k"
+    with open(Path(raw_dir) / f"{prefix}-images-idx3-ubyte", "rb") as f:
+        return struct.unpack(">I", f.read(8)[4:])[0]

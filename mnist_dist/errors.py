@@ -1,5 +1,57 @@
-"""The app's error for bad settings, in a module of its own so that every layer can raise it."""
+"""The app's errors: ConfigError for bad settings (a module of its own, so that every layer can raise
+it), and every failure as one line on the console, with the detail kept in the rank's log."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import traceback
+from pathlib import Path
 
 
 class ConfigError(ValueError):
     """A setting that composes but cannot run; the message is one line with the numbers."""
+
+
+class NoTracebacks(logging.Filter):
+    """For console handlers: a record that carries a traceback is for the log file; the console gets
+    the one ``error:`` line the launcher prints instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+
+def describe_os_error(error: OSError) -> str:
+    """``cannot write <path>: No space left on device`` and the like; the path when there is one."""
+    if error.filename:
+        return f"cannot write {error.filename}: {error.strerror or errno.errorcode.get(error.errno, error)}"
+    return str(error)
+
+
+def rank_log(fallback: Path) -> Path:
+    """The log file this process writes (train.setup_logging opened it), else ``fallback``."""
+    for handler in logging.getLogger("mnist_dist").handlers:
+        if isinstance(handler, logging.FileHandler):
+            return Path(handler.baseFilename)
+    return fallback
+
+
+def last_resort(error: BaseException, log: Path) -> str:
+    """The one line for an error nobody handled; its traceback is appended to ``log`` unless the
+    worker logged it there already."""
+    summary = f"{type(error).__name__}: {error}"
+    first = summary.splitlines()[0] if summary.strip() else type(error).__name__
+    try:
+        if not (log.is_file() and summary in log.read_text(errors="replace")):
+            with open(log, "a") as handle:
+                handle.write("".join(traceback.format_exception(error)))
+        return f"error: {first} (log: {log})"
+    except OSError:  # the log cannot be written either (full disk?): say so rather than fail again
+        return f"error: {first} (no log: {log} cannot be written)"
+
+
+def console_handler() -> logging.Handler:
+    """stderr, without tracebacks (see NoTracebacks)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(NoTracebacks())
+    return handler

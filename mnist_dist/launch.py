@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, guards, rundir
 from mnist_dist.config import Config, ConfigError, data_root
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.modes import MODES, Processes
 from mnist_dist.parallel import WorkerFailed, spawn
+from mnist_dist.parallel.spawn import die_with_parent
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
 from mnist_dist.train import train
 
@@ -44,12 +45,14 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
         return _as_torchrun_worker(cfg, run_dir)
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
+    guards.check_cpu_capacity(topology)
     if mode.processes is Processes.PER_DEVICE and cfg.dist.port:
         _check_port(cfg.dist.port)  # before any work; a free port is picked just before spawning
     if topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
+    guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if mode.processes is Processes.ONE:
         return train(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
@@ -63,16 +66,16 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
+    die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
     topology = from_env(cfg)
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
-    # Only rank 0 had Hydra create a run directory (see __main__): everyone writes there.
-    shared = [str(run_dir)]
-    dist.broadcast_object_list(shared, src=0)
-    run_dir = Path(shared[0])
+    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.cpu_threads)
+    run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
-    return train(cfg, run_dir, raw_dir(cfg.data.name, data_root(cfg)), topology)
+    data_dir = raw_dir(cfg.data.name, data_root(cfg))
+    guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+    return train(cfg, run_dir, data_dir, topology)
 
 
 def _check_port(port: int) -> None:

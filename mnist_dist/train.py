@@ -25,6 +25,7 @@ from tqdm import tqdm
 from mnist_dist import checkpoint
 from mnist_dist.config import Config
 from mnist_dist.data import load_split, to_device_tensors
+from mnist_dist.errors import console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.modes import wrap_model
 from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap
@@ -250,6 +251,7 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
             "rng": rng,
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
+            "format": checkpoint.FORMAT,
         }
         checkpoint.save(state, run.run_dir / "checkpoint.pt")
     log.info(
@@ -321,7 +323,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
-        handlers.append(logging.StreamHandler())
+        handlers.append(console_handler())  # tracebacks go to the log file only
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)

@@ -110,7 +110,7 @@ def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, over
         ),
         (["gpus=0"], "gpus=0 must be at least 1"),
         (["epochs=-1"], "epochs=-1 must be at least 1"),
-        (["optim.lr=0"], "optim.lr=0.0 must be positive"),
+        (["optim.lr=0"], "optim.lr=0.0 must be a finite positive number"),
     ],
 )
 def test_invalid_numbers_are_named(make_config, overrides, expected):

@@ -7,6 +7,7 @@ import http.server
 import logging
 import socket
 import struct
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -128,22 +129,80 @@ def test_valid_set_in_raw_needs_no_mirrors(tmp_path):
         ),
     ],
 )
-def test_invalid_file_in_raw_is_named_and_deleted(tmp_path, name, content, problem):
-    raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), name: content}, gz=False)
-    with pytest.raises(DataError) as e:
-        data.prepare("mnist", tmp_path, mirrors=[])
-    assert f"could not get {name}.gz for mnist: tried {raw / name} ({problem})" in str(e.value)
-    assert not (raw / name).exists()
+def test_invalid_file_of_the_user_is_named_and_kept(tmp_path, name, content, problem):
+    files = {**idx_set(), name: content}
+    raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
+    mirror = write_set(tmp_path / "mirror", idx_set())
+    for mirrors in ([], [str(mirror)]):  # a mirror is no reason to delete the user's copy either
+        with pytest.raises(DataError) as e:
+            data.prepare("mnist", tmp_path, mirrors)
+        assert str(e.value) == (
+            f"{raw / name} is invalid ({problem}); mnist_dist did not write it, so it is left alone: fix it, "
+            "or move it away to have it fetched again"
+        )
+        assert_raw_holds(raw, files)
 
 
-def test_invalid_file_in_raw_is_fetched_again(tmp_path, caplog):
+def test_invalid_file_that_prepare_wrote_is_fetched_again(tmp_path, caplog):
     files = idx_set()
-    raw = write_set(tmp_path / "MNIST" / "raw", {**files, "train-labels-idx1-ubyte": b"junk"}, gz=False)
     mirror = write_set(tmp_path / "mirror", files)
+    raw = data.prepare("mnist", tmp_path, [str(mirror)])
+    with open(raw / "train-labels-idx1-ubyte", "r+b") as f:  # damaged in place: still the file prepare wrote
+        f.write(b"junk")
+    caplog.clear()
     data.prepare("mnist", tmp_path, [str(mirror)])
     assert_raw_holds(raw, files)
     assert fetched_from(caplog) == {"train-labels-idx1-ubyte": str(mirror)}
     assert any(f"{raw / 'train-labels-idx1-ubyte'} is invalid" in r.getMessage() for r in caplog.records)
+
+
+def test_a_read_only_root_with_valid_files_works(tmp_path):
+    files = idx_set()
+    raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
+    # Root writes through file permissions: a read-only bind mount is read-only for everyone.
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(tmp_path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only directory here (needs root)")
+    try:
+        with pytest.raises(OSError):
+            (tmp_path / "probe").touch()
+        assert data.prepare("mnist", tmp_path, mirrors=[]) == raw
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+    assert_raw_holds(raw, files)
+
+
+def test_a_symlink_loop_in_raw_is_named(tmp_path):
+    raw = write_set(tmp_path / "MNIST" / "raw", idx_set(), gz=False)
+    (raw / "train-images-idx3-ubyte").unlink()
+    (raw / "train-images-idx3-ubyte").symlink_to("train-images-idx3-ubyte")
+    with pytest.raises(DataError) as e:
+        data.prepare("mnist", tmp_path, mirrors=[])
+    assert str(e.value) == (
+        f"{raw}/train-images-idx3-ubyte is invalid (OSError: Too many levels of symbolic links); mnist_dist did "
+        "not write it, so it is left alone: fix it, or move it away to have it fetched again"
+    )
+    assert (raw / "train-images-idx3-ubyte").is_symlink()
+
+
+def test_decompression_stops_at_the_largest_valid_size(tmp_path):
+    bomb = gzip.compress(bytes(60_008 + 1), compresslevel=9)  # a labels file one byte over the limit
+    mirror = write_set(tmp_path / "mirror", idx_set())
+    (mirror / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(10_008 + 1)))
+    (mirror / "train-labels-idx1-ubyte.gz").write_bytes(bomb)
+    with pytest.raises(DataError) as e:
+        data.prepare("mnist", tmp_path / "root", [str(mirror)])
+    assert f"tried {mirror} (larger than 60008 bytes, the largest valid size; not an MNIST file)" in str(e.value)
+
+
+def test_a_download_stops_at_the_largest_valid_size(tmp_path, serve):
+    site = write_set(tmp_path / "site", idx_set())
+    (site / "train-labels-idx1-ubyte.gz").write_bytes(bytes(60_008 + (1 << 20) + 1))
+    url = serve(site)
+    with pytest.raises(DataError) as e:
+        data.prepare("mnist", tmp_path / "root", [url])
+    assert f"tried {url} ({60_008 + (1 << 20) + 1} bytes announced, more than {60_008 + (1 << 20)}, the largest" in str(
+        e.value
+    )
 
 
 def test_mismatched_counts(tmp_path):
@@ -197,12 +256,12 @@ def test_prepare_from_gz_in_raw(tmp_path, caplog):
     assert fetched_from(caplog) == dict.fromkeys(NAMES, str(raw))
 
 
-def test_bad_gz_in_raw_is_deleted_and_mirror_used(tmp_path, caplog):
+def test_bad_gz_in_raw_is_kept_and_mirror_used(tmp_path, caplog):
     files = idx_set()
     raw = write_set(tmp_path / "MNIST" / "raw", {"t10k-images-idx3-ubyte": images_idx(10)[:-1]})
     mirror = write_set(tmp_path / "mirror", files)
     data.prepare("mnist", tmp_path, [str(mirror)])
-    assert_raw_holds(raw, files)
+    assert_raw_holds(raw, files, extra={"t10k-images-idx3-ubyte.gz"})  # the user's, left alone
     assert fetched_from(caplog) == dict.fromkeys(NAMES, str(mirror))
 
 

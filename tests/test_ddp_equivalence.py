@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_patterns import PATTERNS, Plain, run_all
-from distributed import run_ranks
+from helpers import run_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.parallel import DistributedDataParallel

@@ -1,6 +1,9 @@
 """Bad input, faults and interruptions: never a hang, never lost data, always one clear line."""
 
+import errno
+import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import compose_config, run_ranks
 
-from mnist_dist.config import ConfigError
+from mnist_dist import checkpoint
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.launch import launch
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
@@ -207,3 +212,391 @@ def test_soak_three_ranks_leak_nothing(tmp_path):
     for (rss_early, fds_early, threads_early), (rss_late, fds_late, threads_late) in run_ranks(soak, 3, tmp_path, 400):
         assert rss_late - rss_early < 2048, "resident memory grew by more than 2 MiB"  # kB
         assert fds_late == fds_early and threads_late == threads_early
+
+
+# --- round 2 (issue 13): each test below failed on commit 32352fb -----------------------------
+
+
+class _RunsCode:
+    """Unpickling this runs code: what a crafted checkpoint.pt would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line(tmp_path):
+    marker = tmp_path / "code_ran"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 1, "rng": [], "x": _RunsCode(str(marker))}, tmp_path / "c.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "c.pt")
+    assert not marker.exists()
+    assert str(error.value).startswith(f"resume={tmp_path}/c.pt: cannot read the checkpoint (UnpicklingError: ")
+    assert "\n" not in str(error.value)
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on, from /proc (no psutil here)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.append(fields[1])
+    return addresses
+
+
+def _listeners_of_job(rank, world_size):
+    pids = [None] * world_size
+    torch.distributed.all_gather_object(pids, os.getpid())
+    return _listening_addresses([os.getppid(), *pids]) if rank == 0 else []
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split(":")[0]
+    if len(host) == 8:  # IPv4, little-endian hex: 127.x.x.x ends in 7F
+        return host.endswith("7F")
+    return host == "0" * 31 + "1" or host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
+
+
+def test_a_spawned_job_listens_on_loopback_only(tmp_path):
+    addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
+    assert addresses, "found no listening socket at all: the check would prove nothing"
+    assert [a for a in addresses if not _is_loopback(a)] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be read
+
+
+def test_workers_die_with_a_killed_launcher(tiny_root, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    process = start(
+        tmp_path,
+        "mode=ddp",
+        "gpus=2",
+        f"data.root={tiny_root}",
+        *TINY,
+        "epochs=50",
+        "model._target_=failing_model.FailingConvNet",
+        "+model.fail_rank=-1",
+        "+model.step_seconds=0.05",
+        f"+model.pid_dir={pids}",
+    )
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(p.name) for p in pids.iterdir()]
+    assert len(workers) == 2
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if _alive(pid)] == []
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_root, tmp_path_factory) -> Path:
+    """A run directory after one epoch of single mode on the tiny data (do not modify it)."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    launch(compose_config(tiny_root, "epochs=1", "batch_size=32"), run_dir)
+    return run_dir
+
+
+def _resume_config(tiny_root, run_dir, *overrides):
+    return compose_config(tiny_root, "epochs=2", "batch_size=32", f"resume={run_dir}", *overrides)
+
+
+def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError) as error:
+        launch(_resume_config(tiny_root, run_dir, "model=resnet", "resume_allow_changes=true"), tmp_path / "new")
+    assert str(error.value).startswith(
+        "resume: the checkpoint does not fit model=mnist_dist.model.ResNet with optim.name=Adadelta (RuntimeError: "
+    )
+    assert "\n" not in str(error.value)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("key", ["scheduler", "config", "world_size", "step", "rng"])
+def test_a_checkpoint_missing_an_entry_is_one_line(trained, tmp_path, key):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    del state[key]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    assert str(error.value) == (
+        f"resume={tmp_path}/checkpoint.pt: the checkpoint lacks or has a wrong {key} (damaged, or not written by "
+        "mnist_dist); resume from another checkpoint.pt"
+    )
+
+
+def test_a_checkpoint_from_before_format_versions_resumes(tiny_root, trained, tmp_path):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    del state["format"], state["scaler"]  # as written before commit 32352fb
+    (tmp_path / "old").mkdir()
+    torch.save(state, tmp_path / "old" / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        launch(_resume_config(tiny_root, tmp_path / "old", "amp=fp16"), tmp_path / "unused")
+    assert str(error.value) == (
+        "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16, or by an older "
+        "mnist_dist); resume with the amp it was trained with"
+    )
+    launch(_resume_config(tiny_root, tmp_path / "old"), tmp_path / "unused")
+    assert torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)["epoch"] == 2
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    state["format"] = 99
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError) as error:
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    assert str(error.value) == (
+        f"resume={tmp_path}/checkpoint.pt: checkpoint format 99, but this version of mnist_dist reads formats 1 "
+        "to 2; resume it with the version that wrote it"
+    )
+
+
+def test_two_launches_in_the_same_second_get_two_directories(tiny_root, tmp_path):
+    assert "${unique_dir:outputs/${now:" in Path("conf/config.yaml").read_text()  # the default uses it
+    # The default's name with the time fixed, so that both launches ask for the same directory.
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mnist_dist", f"data.root={tiny_root}", *TINY, "epochs=1"]
+            + ["hydra.run.dir=${unique_dir:outputs/same_second}"],
+            cwd=tmp_path,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    dirs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert dirs == ["same_second", "same_second_2"]
+    for name in dirs:
+        assert (tmp_path / "outputs" / name / "results.json").is_file()
+        assert len((tmp_path / "outputs" / name / "rank_0.log").read_text().split("results: ")) == 2
+
+
+def test_a_directory_a_live_run_writes_to_is_refused(tiny_root, tmp_path):
+    first = start(
+        tmp_path,
+        f"data.root={tiny_root}",
+        *TINY,
+        "epochs=50",
+        "model._target_=failing_model.FailingConvNet",
+        "+model.fail_rank=-1",
+        "+model.step_seconds=0.05",
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "rank_0.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        code, err = finish(start(tmp_path, f"data.root={tiny_root}", *TINY, "epochs=1"))
+        assert code == 1
+        assert err == (
+            f"error: {tmp_path}/run is in use by another run that is still alive; wait for it, or pass another "
+            "hydra.run.dir\n"
+        )
+        assert first.poll() is None and not (tmp_path / "run" / "results.json").exists()
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path):
+    code, err = finish(
+        start(
+            tmp_path,
+            f"data.root={tiny_root}",
+            *TINY,
+            "model._target_=failing_model.FailingConvNet",
+            "+model.fail_rank=0",
+        )
+    )
+    assert code == 1 and "Traceback" not in err and "Error executing job" not in err
+    assert err.splitlines()[-1] == f"error: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
+    assert "Traceback" in (tmp_path / "run" / "rank_0.log").read_text()
+
+
+def test_a_failing_ddp_rank_prints_no_traceback(tiny_root, tmp_path):
+    code, err = finish(
+        start(
+            tmp_path,
+            "mode=ddp",
+            "gpus=2",
+            f"data.root={tiny_root}",
+            *TINY,
+            "model._target_=failing_model.FailingConvNet",
+            "+model.fail_rank=0",
+        )
+    )
+    assert code == 1 and "Traceback" not in err and "ERROR" not in err
+    assert err.splitlines()[-1] == (
+        f"error: rank 0 failed: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
+    )
+
+
+def test_a_checkpoint_save_on_a_full_disk_names_the_path_and_cleans_up(tmp_path, monkeypatch):
+    stale = tmp_path / ".checkpoint.pt.killed.tmp"  # what a write killed by a signal leaves
+    stale.write_bytes(b"half")
+
+    class Full(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(fd, mode))
+    with pytest.raises(OSError) as error:
+        checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
+    monkeypatch.undo()
+    assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(tmp_path / "checkpoint.pt"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs: room for logs and config, not for a checkpoint (about 14 MB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, mode):
+    run = small_disk / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mnist_dist", f"mode={mode}", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1"]
+        + [f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    code, err = finish(process)
+    assert code == 1 and "Traceback" not in err and "enforce fail" not in err, err
+    assert "No space left on device" in err.splitlines()[-1] and f"{run}/checkpoint.pt" in err.splitlines()[-1]
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        launch(make_config("batch_size=1024", "epochs=1"), tmp_path)
+    assert str(error.value) == (
+        "batch_size=1024 is larger than the training set (640 images): no step would run; use batch_size=640 or less"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=nan", "optim.lr=nan must be a finite positive number"),
+        ("optim.lr=inf", "optim.lr=inf must be a finite positive number"),
+        ("dist.timeout_s=0", "dist.timeout_s=0 must be at least 1 (seconds)"),
+        ("dist.timeout_s=-5", "dist.timeout_s=-5 must be at least 1 (seconds)"),
+    ],
+)
+def test_non_finite_rates_and_timeouts_are_refused(make_config, override, message):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(override))
+    assert str(error.value) == message
+
+
+def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, monkeypatch):
+    from mnist_dist import guards
+    from mnist_dist import launch as launcher
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("64 workers were started")
+
+    monkeypatch.setattr(launcher, "spawn", spawn)
+    monkeypatch.setattr(guards, "available_memory", lambda: 24 * 2**30, raising=False)
+    with pytest.raises(ConfigError) as error:
+        launch(make_config("mode=ddp", "gpus=64", "device=cpu", "batch_size=64"), tmp_path)
+    assert str(error.value) == (
+        "gpus=64 CPU workers need about 43.8 GiB (700 MiB each) but 24.0 GiB is available; use gpus=35 or fewer"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _node(node: int, cwd: Path, port: int, *overrides: str) -> subprocess.Popen:
+    """One torchrun agent of a two-node job on 127.0.0.1, one worker per node."""
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
+        + ["--master_addr=127.0.0.1", f"--master_port={port}", "-m", "mnist_dist", "mode=ddp", "device=cpu"]
+        + list(overrides),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_root, tmp_path):
+    port = _free_port()
+    settings = [f"data.root={tiny_root}", *TINY, "epochs=1"]
+    nodes = [_node(n, tmp_path / f"node{n}", port, *settings) for n in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err
+    (run0,) = (tmp_path / "node0" / "outputs").glob("*/*")
+    (run1,) = (tmp_path / "node1" / "outputs").glob("*/*")
+    assert run1.relative_to(tmp_path / "node1") == run0.relative_to(tmp_path / "node0")
+    assert {"results.json", "checkpoint.pt", "rank_0.log"} <= {p.name for p in run0.iterdir()}
+    assert "rank_1.log" not in {p.name for p in run0.iterdir()}
+    assert "rank_1.log" in {p.name for p in run1.iterdir()}
+
+
+def test_a_torchrun_worker_dies_with_its_agent(tiny_root, tmp_path):
+    port = _free_port()
+    pids = [tmp_path / f"pids{n}" for n in range(2)]
+    for folder in pids:
+        folder.mkdir()
+    settings = [f"data.root={tiny_root}", *TINY, "epochs=50", "dist.timeout_s=30"]
+    settings += ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.05"]
+    nodes = [_node(n, tmp_path / f"node{n}", port, *settings, f"+model.pid_dir={pids[n]}") for n in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not all(list(folder.iterdir()) for folder in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (worker,) = [int(p.name) for p in pids[1].iterdir()]
+        nodes[1].kill()  # node 1's agent
+        nodes[1].wait()
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+        nodes[0].communicate(timeout=120)  # and the other node stops instead of waiting for good
+        assert nodes[0].returncode != 0
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()

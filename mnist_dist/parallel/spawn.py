@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -9,9 +10,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import wait
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class WorkerFailed(RuntimeError):
@@ -22,16 +27,19 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_path: str | Non
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
     Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
-    WORLD_SIZE in its environment, so ``dist.init_process_group(backend)`` needs no arguments. ``fn``
+    WORLD_SIZE in its environment, so ``dist.init_process_group(backend)`` needs no arguments. The
+    rendezvous store is served by this process on 127.0.0.1 only, and gloo and NCCL are told to use the
+    loopback interface: nothing of the job listens on an address another machine can reach. ``fn``
     and ``args`` must be picklable (``fn`` defined at module level; in a script, call ``spawn`` under
     ``if __name__ == "__main__":``); what ``fn`` returns is ignored.
 
     A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
     ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
-    ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker too.
+    ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
+    too, and a parent that dies (SIGKILL, the OOM killer) takes its workers with it.
     """
-    port = port or _free_port()
+    store = _loopback_store(port)
     context = mp.get_context("spawn")
     # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
     reports, report_ends = zip(*(context.Pipe(duplex=False) for _ in range(world_size)))
@@ -39,7 +47,7 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_path: str | Non
         context.Process(
             target=_worker,
             name=f"rank_{rank}",
-            args=(fn, rank, world_size, port, args, log_path is None, report_ends[rank]),
+            args=(fn, rank, world_size, store.port, args, log_path is None, report_ends[rank], os.getpid()),
         )
         for rank in range(world_size)
     ]
@@ -49,12 +57,45 @@ def spawn(fn: Callable[..., object], world_size: int, *args, log_path: str | Non
         _supervise(workers, reports, log_path)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
+        del store  # closes the listening socket
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Has the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+
+    A worker whose launcher was killed would otherwise train to the end with nobody to report to, or
+    hang in a collective for good. ``parent``: the pid that must still be our parent (default: the
+    current one); if it already died before the request took effect, exit now.
+    """
+    parent = os.getppid() if parent is None else parent
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(1)
 
 
 def _worker(
-    fn: Callable[..., object], rank: int, world_size: int, port: int, args: tuple, print_traceback: bool, report
+    fn: Callable[..., object],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    print_traceback: bool,
+    report,
+    parent: int,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    die_with_parent(parent)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        # Every rank connects to the parent's store instead of rank 0 serving one on all interfaces.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        # Pair sockets on loopback: by default gloo and NCCL listen on the host name's address.
+        GLOO_SOCKET_IFNAME="lo",
+        NCCL_SOCKET_IFNAME="lo",
+    )
     try:
         fn(rank, world_size, *args)
     except BaseException as error:
@@ -106,9 +147,21 @@ def _stop(workers: list, grace_s: float = 5.0) -> None:
             worker.join()
 
 
-def _free_port() -> int:
-    # Bind to port 0 and let the OS choose: a fixed port collides with the previous run still in
-    # TIME_WAIT or another job ("Address already in use", pytorch/pytorch#11324).
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _loopback_store(port: int) -> dist.TCPStore:
+    """The job's rendezvous store, served from this process on 127.0.0.1:``port`` (0: a free one).
+
+    TCPStore binds every interface when it opens its own socket, so it gets one bound to loopback.
+    Port 0 lets the OS choose, and the socket is held until the job ends: a fixed port collides with
+    the previous run still in TIME_WAIT or another job (pytorch/pytorch#11324).
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    return dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        is_master=True,
+        timeout=timedelta(seconds=60),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns and closes it
+    )

@@ -1,0 +1,53 @@
+"""Checks that need more than the config: the data's size, the machine's cores and memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from mnist_dist.data import split_size
+from mnist_dist.errors import ConfigError
+from mnist_dist.topology import Topology
+
+log = logging.getLogger("mnist_dist")
+
+# Resident memory of one CPU worker training the convnet on full MNIST: torch, the data as float32
+# on every rank (60 000 + 10 000 images), the model and optimizer. Measured: about 700 MB.
+CPU_WORKER_BYTES = 700 * 2**20
+
+
+def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
+    """A global batch larger than the training set would run zero steps and save an untrained model."""
+    images = split_size(raw_dir, train=True)
+    if batch_size > images:
+        raise ConfigError(
+            f"batch_size={batch_size} is larger than the training set ({images} images): no step would "
+            f"run; use batch_size={images // world_size * world_size} or less"
+        )
+
+
+def check_cpu_capacity(topology: Topology) -> None:
+    """CPU workers: refuse when their memory cannot fit, warn when they outnumber the cores."""
+    ranks = topology.local_world_size
+    if topology.device_type != "cpu" or ranks == 1:
+        return
+    available = available_memory()
+    fits = max(1, available // CPU_WORKER_BYTES)
+    if ranks > fits:
+        raise ConfigError(
+            f"gpus={ranks} CPU workers need about {ranks * CPU_WORKER_BYTES / 2**30:.1f} GiB "
+            f"({CPU_WORKER_BYTES // 2**20} MiB each) but {available / 2**30:.1f} GiB is available; "
+            f"use gpus={fits} or fewer"
+        )
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        log.warning("gpus=%d CPU workers on %d cores: each rank gets a share of a core and runs slower", ranks, cores)
+
+
+def available_memory() -> int:
+    """Bytes the kernel could give new processes without swapping (MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,77 @@
+"""Run directories that are never shared: unique names, a lock held by the live run, and under torchrun
+the same directory created on every node.
+
+Hydra names the default directory by the second (``outputs/<date>/<time>_<mode>``), so two launches
+in the same second would write into one directory. ``${unique_dir:...}`` in conf/config.yaml claims
+the name with an atomic mkdir and adds ``_2``, ``_3``, ... when another launch has it; a directory
+given explicitly (``hydra.run.dir=...``) is protected by the lock instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+from filelock import FileLock, Timeout
+from omegaconf import OmegaConf
+
+from mnist_dist.config import ConfigError
+
+LOCK = ".run.lock"  # in the run directory, held for the lifetime of the run that writes there
+_claimed: dict[str, str] = {}  # Hydra resolves the run directory more than once: the same answer each time
+
+
+def unique_dir(base: str) -> str:
+    """``base``, or ``base_<n>`` for the first n >= 2 that no other launch has claimed."""
+    if base not in _claimed:
+        Path(base).parent.mkdir(parents=True, exist_ok=True)
+        candidate, n = base, 1
+        while True:
+            try:
+                os.mkdir(candidate)  # atomic: of two launches, exactly one creates it
+                break
+            except FileExistsError:
+                n += 1
+                candidate = f"{base}_{n}"
+        _claimed[base] = candidate
+    return _claimed[base]
+
+
+OmegaConf.register_new_resolver("unique_dir", unique_dir, replace=True)
+
+
+@contextmanager
+def owned(run_dir: Path) -> Iterator[None]:
+    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already.
+
+    The lock is an flock: the kernel releases it when its holder dies, however it dies.
+    """
+    lock = FileLock(run_dir / LOCK, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(
+            f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def on_this_node(run_dir: Path) -> Path:
+    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls).
+
+    A directory under rank 0's working directory lands at the same place under this node's working
+    directory (the default ``outputs/...`` included); any other at the same absolute path. Each node
+    thus needs only its own disk.
+    """
+    shared = [str(run_dir), os.getcwd()]
+    dist.broadcast_object_list(shared, src=0)
+    path, rank0_cwd = Path(shared[0]), Path(shared[1])
+    mine = Path.cwd() / path.relative_to(rank0_cwd) if path.is_relative_to(rank0_cwd) else path
+    mine.mkdir(parents=True, exist_ok=True)
+    return mine
