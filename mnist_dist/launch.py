@@ -68,7 +68,7 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
     topology = from_env(cfg)
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.cpu_threads)
+    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
