@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, machine
 from mnist_dist.config import DISTRIBUTED_MODES, Config
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
@@ -179,6 +179,7 @@ def train(
             "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20, rank, world_size)
             if torch_device.type == "cuda"
             else None,
+            "machine": machine.describe(),  # this rank's view: its torch threads, after the CPU was shared
         }
         if rank == 0:
             checkpoint.save(plain_state_dict(model), run_dir / "model.pt")
