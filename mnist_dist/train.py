@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import resource
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from mnist_dist import checkpoint, machine
 from mnist_dist.config import DISTRIBUTED_MODES, Config
@@ -28,12 +26,10 @@ from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
 from mnist_dist.precision import Precision
+from mnist_dist.progress import Progress
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
 log = logging.getLogger("mnist_dist")
-# tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
-# would leave it behind and Python warns about it at exit. Each bar lives in one process anyway.
-tqdm.set_lock(threading.RLock())
 
 
 def train(
@@ -97,18 +93,13 @@ def train(
         )
 
         # --- loop ----------------------------------------------------------------------------
+        progress = Progress(steps * cfg.epochs, rank == 0 and cfg.progress, log, initial=step)
         for epoch in range(first_epoch, cfg.epochs + 1):
             epoch_started = time.perf_counter()
             model.train()
             order = epoch_order(len(train_x), cfg.seed, epoch).to(torch_device)
             window_losses = []  # kept on the device: no sync per step
-            bar = tqdm(
-                total=steps,
-                desc=f"epoch {epoch}/{cfg.epochs}",
-                leave=False,
-                disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
-                dynamic_ncols=True,
-            )
+            progress.set_epoch(epoch, cfg.epochs)
             for indices in rank_batches(order, cfg.batch_size, rank, world_size):
                 step += 1
                 timer.start(sample=step % cfg.log_every == 0)  # the last step of each window is timed
@@ -119,12 +110,13 @@ def train(
                 throughput.step(len(indices))
                 if step % cfg.log_every == 0:
                     loss_value = check_finite(torch.stack(window_losses), step, rank).mean().item()
-                    log_window(scalars, throughput, timer, step, rank, loss_value, optimizer.param_groups[0]["lr"], bar)
+                    log_window(
+                        scalars, throughput, timer, step, rank, loss_value, optimizer.param_groups[0]["lr"], progress
+                    )
                     window_losses = []
-                bar.update()
+                progress.step()
             if window_losses:  # the epoch's last steps, short of a full window
                 check_finite(torch.stack(window_losses), step, rank)
-            bar.close()
             throughput.pause()
 
             # --- evaluate --------------------------------------------------------------------
@@ -162,6 +154,7 @@ def train(
             )
 
         # --- tear down -----------------------------------------------------------------------
+        progress.close()
         images, seconds = all_reduce([throughput.total_images, throughput.total_seconds])
         results = {
             "mode": cfg.mode.name,
@@ -263,7 +256,14 @@ def evaluate(model, x, y, batch_size: int, rank: int, world_size: int) -> tuple[
 
 
 def log_window(
-    scalars: Scalars, throughput: Throughput, timer: StepTimer, step: int, rank: int, loss: float, lr: float, bar: tqdm
+    scalars: Scalars,
+    throughput: Throughput,
+    timer: StepTimer,
+    step: int,
+    rank: int,
+    loss: float,
+    lr: float,
+    progress: Progress,
 ) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
     window = throughput.lap()
@@ -278,7 +278,7 @@ def log_window(
         tags.update({"train/loss_global": global_loss / world_size, "train/lr": lr})
         if slowest:
             tags["perf/images_per_s_global"] = global_images / slowest
-        bar.set_postfix(loss=f"{global_loss / world_size:.4f}", img_s=f"{tags.get('perf/images_per_s_global', 0):.0f}")
+        progress.numbers(global_loss / world_size, tags.get("perf/images_per_s_global"))
     scalars.add(step, **tags)
 
 
