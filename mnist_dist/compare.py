@@ -27,6 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mnist_dist.config import ConfigError, describe_hydra_error, validate, world_size
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.metrics import tb_dir
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -42,7 +43,7 @@ DEFAULT_TOLERANCE = 0.05
 
 def loss_curve(run_dir: Path) -> dict[int, float]:
     """Rank 0's global training loss by optimizer step."""
-    events = EventAccumulator(str(run_dir / "tb" / "rank_0"))
+    events = EventAccumulator(str(tb_dir(run_dir, 0)))
     events.Reload()
     return {e.step: e.value for e in events.Scalars("train/loss_global")}
 

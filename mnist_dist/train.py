@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mnist_dist import checkpoint, machine
+from mnist_dist.build import build_model
 from mnist_dist.config import DISTRIBUTED_MODES, Config
+from mnist_dist.console import FILE_ONLY, Progress, config_line, console_filter
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.parallel import gradient_sync, plain_state_dict, unwrap, wrap_model
 from mnist_dist.precision import Precision
-from mnist_dist.progress import Progress
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
 
 log = logging.getLogger("mnist_dist")
@@ -44,8 +44,9 @@ def train(
     # On resume, drop any scalars the interrupted run wrote after its checkpoint: no duplicate steps.
     scalars = Scalars(run_dir, rank, purge_step=resumed["step"] + 1 if resumed else None)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    if rank == 0:
-        log.info("config:\n%s", config_yaml)
+    if rank == 0:  # the console gets one line, the log file and config.yaml all of it
+        log.info("config: %s (all of it in config.yaml)", config_line(cfg))
+        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)
         (run_dir / "config.yaml").write_text(config_yaml)
     try:
         # --- build ---------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def train(
         if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
             train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
         torch.manual_seed(cfg.seed)  # same initial weights in every mode and on every rank
-        model = instantiate(cfg.model)
+        model = build_model(cfg.model)  # a bad model._target_ is one line saying what to do
         if resumed:
             model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
         if cfg.channels_last:
@@ -196,7 +197,7 @@ def train(
     except Exception:
         # The process group is left as it is: closing it now would make the other ranks fail
         # before this one has reported, and the launcher names the rank that failed first.
-        log.exception("rank %d failed", rank)
+        log.exception("rank %d failed", rank, extra=FILE_ONLY)  # the console gets the one-line error
         raise
     finally:
         scalars.close()
@@ -302,6 +303,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
         handlers.append(logging.StreamHandler())
+        handlers[-1].addFilter(console_filter)
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)

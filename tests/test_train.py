@@ -8,6 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.launch import launch
+from mnist_dist.metrics import tb_dir
 from mnist_dist.model import ConvNet
 from mnist_dist.train import evaluate
 
@@ -31,7 +32,7 @@ RANK0_TAGS = RANK_TAGS | {
 
 
 def events(run_dir, rank):
-    accumulator = EventAccumulator(str(run_dir / "tb" / f"rank_{rank}"))
+    accumulator = EventAccumulator(str(tb_dir(run_dir, rank)))
     accumulator.Reload()
     return accumulator
 

@@ -6,7 +6,7 @@ import pty
 import subprocess
 import sys
 
-from mnist_dist.progress import Progress
+from mnist_dist.console import Progress, config_line
 
 RUN = [sys.executable, "-m", "mnist_dist", "epochs=1", "log_every=5", "data.mirrors=[]"]
 
@@ -66,3 +66,18 @@ def test_a_pipe_gets_progress_lines_in_the_console_and_the_log(tiny_root, tmp_pa
     assert "step 5/10 (epoch 1/1): loss " in result.stderr
     assert "step 5/10 (epoch 1/1): loss " in (tmp_path / "rank_0.log").read_text()
     assert "step 5/10" not in (tmp_path / "rank_1.log").read_text()
+    # The config: one console line; the whole of it in the log file (and config.yaml).
+    assert (
+        f"config: mode.name=ddp data.root={tiny_root} data.mirrors=[] gpus=2 epochs=1 log_every=5 (all" in result.stderr
+    )
+    assert "message_size: 1000000" not in result.stderr
+    assert "message_size: 1000000" in (tmp_path / "rank_0.log").read_text()
+
+
+def test_the_config_line_names_what_differs_from_the_defaults(make_config, tiny_root):
+    assert config_line(make_config()) == f"data.root={tiny_root} data.mirrors=[] progress=false"
+    cfg = make_config("data=fashion_mnist", "~model.dropout", "optim.lr=0.5")
+    assert config_line(cfg) == (
+        f"data.name=fashion_mnist data.root={tiny_root} data.mirrors=[] data.mean=0.286 data.std=0.353 "
+        "optim.lr=0.5 progress=false ~model.dropout"
+    )

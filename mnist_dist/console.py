@@ -1,4 +1,9 @@
-"""Rank 0's progress: a tqdm bar in a terminal, and a log line at intervals everywhere else.
+"""What rank 0 shows on the console: one line of config, and the progress.
+
+The config: the console gets the settings that differ from the defaults, in one line; the full
+config goes to config.yaml and to the log file (``FILE_ONLY`` marks such records).
+
+The progress: a tqdm bar in a terminal, and a log line at intervals everywhere else.
 
 Why no bar used to show, even under ``script -q -c "python -m mnist_dist ..."``: tqdm sizes its bar
 from the terminal it writes to, and a pseudo-terminal that was never given a window size (``script``
@@ -18,16 +23,62 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TextIO
 
+import yaml
+from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+import mnist_dist.conf
+from mnist_dist.config import Config
 
 # tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
 # would leave it behind and Python warns about it at exit. Each bar lives in one process anyway.
 tqdm.set_lock(threading.RLock())
 
 LOG_INTERVAL_S = 30.0
+FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console
+
+
+def console_filter(record: logging.LogRecord) -> bool:
+    """For the console handler: drops records logged with ``extra=FILE_ONLY``."""
+    return not getattr(record, "file_only", False)
+
+
+def _defaults() -> dict:
+    """The config with no overrides: the schema with conf/config.yaml's default groups applied."""
+    conf = Path(mnist_dist.conf.__path__[0])
+    merged = OmegaConf.structured(Config)
+    for entry in yaml.safe_load((conf / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict) and not any(key.startswith("override") for key in entry):
+            ((group, option),) = entry.items()
+            merged = OmegaConf.merge(merged, {group: OmegaConf.load(conf / group / f"{option}.yaml")})
+    return OmegaConf.to_container(merged, resolve=True)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_line(cfg: Config) -> str:
+    """``mode.name=ddp gpus=2 epochs=1``: the settings that differ from the defaults, in one line."""
+    defaults = _leaves(_defaults())
+    current = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    changed = [
+        f"{key}={yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix(chr(10) + '...')}"
+        for key, value in current.items()
+        if key not in defaults or defaults[key] != value
+    ]
+    changed += [f"~{key}" for key in defaults if key not in current]
+    return " ".join(changed) or "the defaults"
 
 
 def terminal_size(stream: TextIO) -> tuple[int, int] | None:
