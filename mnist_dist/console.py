@@ -148,10 +148,8 @@ class Progress:
     def line(self, now: float) -> str:
         per_step = (now - self.started) / max(self.done - self.initial, 1)
         eta = timedelta(seconds=round(per_step * (self.total - self.done)))
-        return (
-            f"step {self.done}/{self.total} ({self.epoch}): loss {self.loss:.4f}, "
-            f"{self.images_per_s:,.0f} images/s, ETA {eta}"
-        )
+        speed = f"{self.images_per_s:,.0f} images/s" if self.images_per_s else "images/s after warm-up"
+        return f"step {self.done}/{self.total} ({self.epoch}): loss {self.loss:.4f}, {speed}, ETA {eta}"
 
     def close(self) -> None:
         if self.bar:

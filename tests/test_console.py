@@ -20,10 +20,12 @@ def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_inter
         for step in range(1, 11):
             now[0] += 10  # 10 s per step
             if step == 2:
+                progress.numbers(0.5, None)  # still warming up: no images/s yet
+            if step == 5:
                 progress.numbers(0.5, 640.0)
             progress.step()
     assert caplog.messages == [
-        "step 2/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:03:00",
+        "step 2/20 (epoch 1/2): loss 0.5000, images/s after warm-up, ETA 0:03:00",
         "step 5/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:30",
         "step 8/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:00",
     ]
