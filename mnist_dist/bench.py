@@ -24,6 +24,7 @@ from pathlib import Path
 import matplotlib
 import torch
 
+from mnist_dist import machine
 from mnist_dist.synthetic import write_idx
 
 matplotlib.use("Agg")
@@ -103,8 +104,10 @@ def report(samples: dict[str, list[dict]]) -> dict:
     return {"cases": cases, "comparisons": comparisons}
 
 
-def markdown(result: dict, settings: dict) -> str:
+def markdown(result: dict, settings: dict, machine_info: dict) -> str:
     lines = [
+        machine.summary_line(machine_info),
+        "",
         f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
         f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
         "",
@@ -176,6 +179,7 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
     return {
         "images_per_s": steps * batch / seconds,
         "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
+        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -220,6 +224,7 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
         "images_per_s": results["train_images_per_s"],
         "peak_rss_mib": results["peak_rss_mib"],
         "step_time_ms": results["step_time_ms"],
+        "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
     }
 
 
@@ -260,10 +265,11 @@ def main() -> int:
                 )
     result = report(samples)
     args.out.mkdir(parents=True, exist_ok=True)
-    table = markdown(result, settings)
+    info = machine.describe()
+    table = markdown(result, settings, info)
     (args.out / "bench.md").write_text(table)
     (args.out / "bench.json").write_text(
-        json.dumps({"settings": settings, "samples": samples, **result}, indent=2) + "\n"
+        json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n"
     )
     chart(result, args.out / "bench.png")
     print("\n" + table + f"\nwrote {args.out}/bench.md, bench.json, bench.png")

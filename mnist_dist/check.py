@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hydra import compose, initialize_config_module
-from hydra.errors import HydraException, InstantiationException
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.modes import MODES, Processes, wrap_model
 from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
@@ -46,7 +47,7 @@ Line = tuple[str, str, str]  # status (OK, WARN, FAIL, SKIP), check, why
 def build(cfg: Config) -> nn.Module:
     """The model the trainer would build: same seed, so the same weights on every rank."""
     torch.manual_seed(cfg.seed)
-    return instantiate(cfg.model)
+    return instantiate_model(cfg.model)
 
 
 def random_batch(seed: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,8 +291,6 @@ def main(argv: list[str]) -> int:
             cfg: Config = OmegaConf.to_object(compose("config", overrides=argv))
         validate(cfg)
         parameters = sum(p.numel() for p in build(cfg).parameters())
-    except InstantiationException as error:
-        sys.exit(f"error: cannot build the model: {' '.join(str(error).split())}")
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error)}")
     except ConfigError as error:

@@ -2,19 +2,27 @@
 
     python -m mnist_dist.compare modes=[single,dp,ddp,torch_ddp] gpus=2 data=fashion_mnist epochs=1
 
-``tolerance=`` and ``early_tolerance=`` set the verdict's bounds (see below); any other argument is a
-Hydra override applied to every mode. Dropout is turned off when the model
+``tolerance=`` and ``early_tolerance=`` set the verdict's bounds (see below), ``repeats=`` the rounds
+(3: every mode runs once per round, rounds interleaved like bench's, so a machine that slows down
+slows every mode alike; images/s is the median over rounds, with its spread); any other argument is
+a Hydra override applied to every mode. Dropout is turned off when the model
 has that option: replicas in different processes draw different masks, which would hide the
 question under noise. Writes compare.md, compare.json and compare.png to
-outputs/compare/<date>/<time>/, beside one run directory per mode, and exits 1 if the modes disagree.
+outputs/compare/<date>/<time>/, beside the run directories (``<mode>`` for round 1, ``<mode>_<round>``
+after it), and exits 1 if the modes disagree. Loss and accuracy come from round 1: runs are
+deterministic, so the other rounds only time the same computation again. A warning line says when
+the throughput column is not to be trusted: a spread over 10 % or a load average above the cores.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -24,9 +32,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist import machine
 from mnist_dist.config import ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.metrics import tb_dir
 from mnist_dist.modes import world_size
 
 matplotlib.use("Agg")  # files only, no display
@@ -39,19 +49,29 @@ DEFAULT_MODES = ["single", "dp", "ddp", "torch_ddp"]
 # logged step must agree closely and the rest of the run loosely.
 DEFAULT_EARLY_TOLERANCE = 1e-4
 DEFAULT_TOLERANCE = 0.05
+DEFAULT_REPEATS = 3
+# Above this spread ((max - min) / median of a mode's images/s over the rounds) the ranking of modes
+# within it is noise: runs on an idle 2-core machine vary by about this much.
+SPREAD_WARNING = 0.10
 
 
 def loss_curve(run_dir: Path) -> dict[int, float]:
     """Rank 0's global training loss by optimizer step."""
-    events = EventAccumulator(str(run_dir / "tb" / "rank_0"))
+    events = EventAccumulator(str(tb_dir(run_dir, 0)))
     events.Reload()
     return {e.step: e.value for e in events.Scalars("train/loss_global")}
 
 
 def compare(
-    results: dict[str, dict], curves: dict[str, dict[int, float]], tolerance: float, early_tolerance: float
+    results: dict[str, dict],
+    curves: dict[str, dict[int, float]],
+    tolerance: float,
+    early_tolerance: float,
+    speeds: dict[str, list[float]] | None = None,
 ) -> dict:
-    """The table's rows and the verdict; the first mode is the reference."""
+    """The table's rows and the verdict; the first mode is the reference. ``speeds``: each mode's
+    images/s in every round (default: the one in its results)."""
+    speeds = speeds or {mode: [result["train_images_per_s"]] for mode, result in results.items()}
     reference = next(iter(curves.values()))
     first_step = min(reference)
     rows = []
@@ -65,7 +85,11 @@ def compare(
                 "final_loss": curves[mode][max(curves[mode])],
                 "first_step_loss_diff": abs(curves[mode][first_step] - reference[first_step]),
                 "max_loss_diff": max(abs(curves[mode][s] - reference[s]) for s in shared),
-                "images_per_s": result["train_images_per_s"],
+                "images_per_s": statistics.median(speeds[mode]),
+                "images_per_s_min": min(speeds[mode]),
+                "images_per_s_max": max(speeds[mode]),
+                "images_per_s_rounds": speeds[mode],
+                "spread": (max(speeds[mode]) - min(speeds[mode])) / statistics.median(speeds[mode]),
             }
         )
     early = max(rows, key=lambda row: row["first_step_loss_diff"])
@@ -87,20 +111,43 @@ def compare(
     }
 
 
+def warnings(report: dict, load_average: float, cores: int) -> list[str]:
+    """Lines that say when the throughput column cannot be trusted (empty when it can)."""
+    lines = []
+    noisy = [row for row in report["rows"] if row["spread"] > SPREAD_WARNING]
+    if noisy:
+        worst = ", ".join(f"{row['mode']} {row['spread']:.0%}" for row in noisy)
+        lines.append(
+            f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({worst}): "
+            "the ranking by speed may be noise; rerun on an idle machine or with more repeats="
+        )
+    if load_average > cores:
+        lines.append(
+            f"warning: the load average reached {load_average:.1f} on {cores} cores: other work competed "
+            "with these runs, so images/s is unreliable (loss and accuracy are not affected)"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
     reference = report["rows"][0]["mode"]
+    rounds = len(report["rows"][0]["images_per_s_rounds"])
     lines = [
+        machine.summary_line(report["machine"]),
+        "",
         f"| mode | world size | test accuracy | final loss | Δloss at step {report['first_step']} | "
-        f"max Δloss | images/s |",
-        "|---|---|---|---|---|---|---|",
+        f"max Δloss | images/s (median of {rounds}) | min – max | spread |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         lines.append(
             f"| {row['mode']} | {row['world_size']} | {100 * row['test_accuracy']:.2f} % | "
-            f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | "
-            f"{row['max_loss_diff']:.1e} | {row['images_per_s']:,.0f} |"
+            f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | {row['max_loss_diff']:.1e} | "
+            f"{row['images_per_s']:,.0f} | {row['images_per_s_min']:,.0f} – {row['images_per_s_max']:,.0f} | "
+            f"{row['spread']:.0%} |"
         )
-    return "\n".join(lines) + f"\n\nΔloss: training-loss difference from {reference}. {report['verdict']}\n"
+    text = "\n".join(lines) + f"\n\nΔloss: training-loss difference from {reference}. {report['verdict']}\n"
+    return text + "".join(f"\n{line}\n" for line in report["warnings"])
 
 
 def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None:
@@ -112,16 +159,29 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
         xlabel="optimizer step (same global batch in every mode)", ylabel="training loss", yscale="log", title="loss"
     )
     losses.legend()
-    modes = [row["mode"] for row in report["rows"]]
-    speed.bar(modes, [row["images_per_s"] for row in report["rows"]], color="tab:blue")
-    speed.set(ylabel="images/s (global)", title="throughput")
+    rows = report["rows"]
+    medians = [row["images_per_s"] for row in rows]
+    spread = [
+        [m - row["images_per_s_min"] for m, row in zip(medians, rows)],
+        [row["images_per_s_max"] - m for m, row in zip(medians, rows)],
+    ]
+    bars = speed.bar([row["mode"] for row in rows], medians, yerr=spread, capsize=4, color="tab:blue")
+    speed.bar_label(bars, labels=[f"{m:,.0f}" for m in medians], label_type="center", color="white")
+    rounds = len(rows[0]["images_per_s_rounds"])
+    speed.set(ylabel="images/s (global)", title=f"throughput: median and min–max of {rounds} rounds")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def main(argv: list[str]) -> int:
-    options = {"modes": DEFAULT_MODES, "tolerance": DEFAULT_TOLERANCE, "early_tolerance": DEFAULT_EARLY_TOLERANCE}
+def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]) -> int:
+    """``load``: the machine's load average now (injectable, so tests can play a busy machine)."""
+    options = {
+        "modes": DEFAULT_MODES,
+        "tolerance": DEFAULT_TOLERANCE,
+        "early_tolerance": DEFAULT_EARLY_TOLERANCE,
+        "repeats": DEFAULT_REPEATS,
+    }
     overrides = []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -132,28 +192,17 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
-    results, curves = {}, {}
     try:
-        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-            configs = {}
-            for mode in options["modes"]:
-                cfg = compose("config", overrides=[*overrides, f"mode={mode}"])
-                if "dropout" in cfg.model:
-                    cfg.model.dropout = False
-                configs[mode] = OmegaConf.to_object(cfg)
-                validate(configs[mode])
-        for mode, cfg in configs.items():  # all configs are checked before the first run starts
-            run_dir = out / mode
-            run_dir.mkdir(parents=True)
-            print(f"== {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
-            launch(cfg, run_dir)
-            results[mode] = json.loads((run_dir / "results.json").read_text())
-            curves[mode] = loss_curve(run_dir)
+        configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
+        results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error)}")
     except (ConfigError, DataError, WorkerFailed) as error:
         sys.exit(f"error: {error}")
-    report = compare(results, curves, options["tolerance"], options["early_tolerance"])
+    report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
+    report["machine"] = machine.describe()
+    report["load_average_max"] = peak_load
+    report["warnings"] = warnings(report, peak_load, report["machine"]["cores"])
     table = markdown(report)
     print("\n" + table)
     (out / "compare.md").write_text(table)
@@ -161,6 +210,36 @@ def main(argv: list[str]) -> int:
     chart(report, curves, out / "compare.png")
     print(f"wrote {out}/compare.md, compare.json, compare.png")
     return 0 if report["agree"] else 1
+
+
+def compose_configs(modes: list[str], overrides: list[str]) -> dict:
+    configs = {}
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        for mode in modes:
+            cfg = compose("config", overrides=[*overrides, f"mode={mode}"])
+            if "dropout" in cfg.model:
+                cfg.model.dropout = False
+            configs[mode] = OmegaConf.to_object(cfg)
+            validate(configs[mode])
+    return configs
+
+
+def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
+    """Runs every mode once per round, modes alternating; returns round 1's results and curves, every
+    round's images/s per mode, and the highest load average seen before a run."""
+    results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
+    for round_ in range(1, repeats + 1):
+        for mode, cfg in configs.items():
+            run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
+            run_dir.mkdir(parents=True)
+            peak_load = max(peak_load, load())
+            print(f"== round {round_}/{repeats}: {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
+            launch(cfg, run_dir)
+            result = json.loads((run_dir / "results.json").read_text())
+            speeds[mode].append(result["train_images_per_s"])
+            if round_ == 1:
+                results[mode], curves[mode] = result, loss_curve(run_dir)
+    return results, curves, speeds, max(peak_load, load())
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Honest numbers: synchronised timing without warm-up, per-rank TensorBoard scalars, global reductions.
 
-Tag names are stable, so runs of every mode overlay in TensorBoard:
+Tag names are stable, so runs of every mode overlay in TensorBoard. Rank 0 writes ``<run>/tb``, the
+one TensorBoard run per training run that comparisons need; rank r > 0 writes ``<run>/tb/rank_<r>``,
+which only the per-rank charts show (and which the run filter ``tb$`` hides):
 
-- every rank, in ``tb/rank_<r>``: ``train/loss``, ``perf/images_per_s``, and where a step's time
-  goes: ``time/data_ms`` (indexing the batch), ``time/forward_backward_ms``, ``time/comm_wait_ms``
+- every rank: ``train/loss``, ``perf/images_per_s``, and where a step's time goes:
+  ``time/data_ms`` (indexing the batch), ``time/forward_backward_ms``, ``time/comm_wait_ms``
   (ddp: time our DDP waits for its all-reduces at the end of backward, i.e. communication not
   hidden behind compute),
   ``time/optimizer_ms``
 - rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
   ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``, ``results/images_per_s`` (the run's
-  average, at the end) and the run's hyperparameters for the HPARAMS tab
+  average, at the end), the run's hyperparameters for the HPARAMS tab, and ``LAYOUT`` for the
+  CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section.
 
 The x axis is the optimizer step, which means the same global batch in every mode.
 """
@@ -21,8 +24,63 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
+
+# CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). Only rank 0 writes the
+# global tags, so the open charts hold one line per run, i.e. per mode in a sweep.
+LAYOUT = [
+    (
+        "compare runs (rank 0: global numbers)",
+        True,
+        [
+            ("training loss, mean over ranks", r"^train/loss_global$"),
+            ("images/s, all ranks together", r"^perf/images_per_s_global$"),
+            ("test accuracy", r"^test/accuracy$"),
+            ("test loss", r"^test/loss$"),
+        ],
+    ),
+    (
+        "per rank (every rank of every run)",
+        False,
+        [
+            ("training loss on this rank's share", r"^train/loss$"),
+            ("images/s of this rank", r"^perf/images_per_s$"),
+            ("where a sampled step's time goes (ms)", r"^time/"),
+        ],
+    ),
+    ("schedule", False, [("learning rate", r"^train/lr$"), ("epoch time (s)", r"^perf/epoch_time_s$")]),
+]
+
+
+def tb_dir(run_dir: Path, rank: int) -> Path:
+    """Rank 0's TensorBoard run is ``<run>/tb``; other ranks nest below it, out of the comparison."""
+    return run_dir / "tb" if rank == 0 else run_dir / "tb" / f"rank_{rank}"
+
+
+def custom_scalars_summary() -> Summary:
+    """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
+    fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
+    layout = layout_pb2.Layout(
+        category=[
+            layout_pb2.Category(
+                title=title,
+                closed=not open_,
+                chart=[
+                    layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+                    for chart, regex in charts
+                ],
+            )
+            for title, open_, charts in LAYOUT
+        ]
+    )
+    tensor = TensorProto(dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
+    return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,10 +192,12 @@ class StepTimer:
 
 
 class Scalars:
-    """This rank's TensorBoard directory, ``<run_dir>/tb/rank_<r>``."""
+    """This rank's TensorBoard directory, ``tb_dir(run_dir, rank)``; rank 0 adds the chart layout."""
 
     def __init__(self, run_dir: Path, rank: int, purge_step: int | None = None) -> None:
-        self.writer = SummaryWriter(str(run_dir / "tb" / f"rank_{rank}"), purge_step=purge_step)
+        self.writer = SummaryWriter(str(tb_dir(run_dir, rank)), purge_step=purge_step)
+        if rank == 0:
+            self.writer.file_writer.add_summary(custom_scalars_summary())
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss": 0.3})``: one scalar per tag at optimizer step ``step``."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, machine
 from mnist_dist.metrics import all_reduce
 from mnist_dist.parallel import plain_state_dict
 
@@ -39,6 +39,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
         )
         if topology.device_type == "cuda"
         else None,
+        "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
     if topology.rank == 0:
         checkpoint.save(plain_state_dict(run.model), run.run_dir / "model.pt")

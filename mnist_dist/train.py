@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +19,11 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
-from tqdm import tqdm
 
 from mnist_dist import checkpoint
+from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
+from mnist_dist.console import FILE_ONLY, Progress, console_filter
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
@@ -35,9 +35,6 @@ from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per
 from mnist_dist.topology import Topology, setup_process
 
 log = logging.getLogger("mnist_dist")
-# tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
-# would leave it behind and Python warns about it at exit. Each bar lives in one process anyway.
-tqdm.set_lock(threading.RLock())
 
 
 @dataclass
@@ -59,6 +56,7 @@ class Run:
     precision: Precision
     throughput: Throughput
     timer: StepTimer
+    progress: Progress | None = None  # set once the run knows where it starts
     first_epoch: int = 1
     step: int = 0  # optimizer steps taken, over all epochs
     test_loss: float = float("nan")
@@ -79,6 +77,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
             epoch_started = time.perf_counter()
             run_epoch(run, epoch)
             evaluate_epoch(run, epoch, epoch_started)
+        run.progress.close()
         return finish(run, time.perf_counter() - started)
     except Exception:
         # The process group is left as it is: closing it now would make the other ranks fail
@@ -101,7 +100,7 @@ def build(
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
-        log.info("config:\n%s", config_yaml)
+        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has __main__'s one line
         (run_dir / "config.yaml").write_text(config_yaml)
     train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
     test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
@@ -130,6 +129,8 @@ def build(
     )
     if resumed:
         restore(run, resumed)
+    steps = steps_per_epoch(len(train_x), cfg.batch_size)
+    run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
         "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
         cfg.mode.name,
@@ -137,7 +138,7 @@ def build(
         topology.world_size,
         cfg.batch_size,
         topology.batch,
-        steps_per_epoch(len(train_x), cfg.batch_size),
+        steps,
     )
     return run
 
@@ -145,7 +146,7 @@ def build(
 def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     """The plain model, before any mode wraps it: the same initial weights in every mode and on every rank."""
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model)
+    model = instantiate_model(cfg.model)  # a bad model._target_ is one line saying what to do
     if resumed:
         model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
     if cfg.channels_last:
@@ -171,13 +172,7 @@ def run_epoch(run: Run, epoch: int) -> None:
     run.model.train()
     order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
     window_losses = []  # kept on the device: no sync per step
-    bar = tqdm(
-        total=steps_per_epoch(len(run.train_x), cfg.batch_size),
-        desc=f"epoch {epoch}/{cfg.epochs}",
-        leave=False,
-        disable=True if rank != 0 or not cfg.progress else None,  # None: off when not a tty
-        dynamic_ncols=True,
-    )
+    run.progress.set_epoch(epoch, cfg.epochs)
     for indices in rank_batches(order, cfg.batch_size, rank, run.topology.world_size):
         run.step += 1
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
@@ -188,12 +183,11 @@ def run_epoch(run: Run, epoch: int) -> None:
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
             loss_value = check_finite(torch.stack(window_losses), run.step, rank).mean().item()
-            log_window(run, loss_value, bar)
+            log_window(run, loss_value)
             window_losses = []
-        bar.update()
+        run.progress.step()
     if window_losses:  # the epoch's last steps, short of a full window
         check_finite(torch.stack(window_losses), run.step, rank)
-    bar.close()
     run.throughput.pause()
 
 
@@ -298,7 +292,7 @@ def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return losses
 
 
-def log_window(run: Run, loss: float, bar: tqdm) -> None:
+def log_window(run: Run, loss: float) -> None:
     """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
     images, seconds = run.throughput.lap() or (0, 0.0)
     tags = {"train/loss": loss, **{f"time/{phase}_ms": ms for phase, ms in run.timer.lap().items()}}
@@ -311,7 +305,7 @@ def log_window(run: Run, loss: float, bar: tqdm) -> None:
         tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})
         if rate:
             tags["perf/images_per_s_global"] = rate
-        bar.set_postfix(loss=f"{global_loss:.4f}", img_s=f"{rate:.0f}")
+        run.progress.numbers(global_loss, rate)
     run.scalars.add(run.step, **tags)
 
 
@@ -324,6 +318,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
         handlers.append(console_handler())  # tracebacks go to the log file only
+        handlers[-1].addFilter(console_filter)  # so does the full config
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)

@@ -29,7 +29,7 @@ TOLERANCE = 1e-3  # relative; cuDNN picks kernels per batch shape, so replicas d
 
 
 def losses(run_dir: Path) -> list[float]:
-    events = EventAccumulator(str(run_dir / "tb" / "rank_0"))
+    events = EventAccumulator(str(run_dir / "tb"))  # rank 0: mnist_dist.metrics.tb_dir
     events.Reload()
     return [e.value for e in events.Scalars("train/loss")]
 

@@ -1,4 +1,5 @@
-"""What several test modules share: configs on tiny data, TensorBoard scalars, ranks in fresh processes.
+"""What several test modules share: configs on tiny data, TensorBoard scalars, ranks in fresh processes,
+the machine fields.
 
 Tests import these from here (``from helpers import ...``), never from each other or from conftest.
 """
@@ -14,6 +15,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist.metrics import tb_dir
 from mnist_dist.parallel import spawn
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -27,7 +29,7 @@ def compose_config(data_root: Path, *overrides: str):
 
 
 def events(run_dir: Path, rank: int) -> EventAccumulator:
-    accumulator = EventAccumulator(str(run_dir / "tb" / f"rank_{rank}"))
+    accumulator = EventAccumulator(str(tb_dir(run_dir, rank)))
     accumulator.Reload()
     return accumulator
 
@@ -53,3 +55,15 @@ def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
     what each returned, by rank."""
     spawn(_entry, world_size, fn, str(workdir), args)
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+MACHINE_FIELDS = ("cpu", "cores", "torch_threads", "memory_gib", "torch", "gpus")
+
+
+def assert_machine_fields(info: dict) -> None:
+    """``info`` is mnist_dist.machine.describe(): every field present and non-empty."""
+    for field in MACHINE_FIELDS:
+        assert info[field] not in ("", None), field
+    assert isinstance(info["cpu_flags"], list)
+    if info["gpus"]:
+        assert info["gpu"] and info["cuda"] and info["driver"]

@@ -1,10 +1,12 @@
 """The benchmark's arithmetic (medians, paired ratios, targets), on made-up numbers and a tiny run."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from helpers import assert_machine_fields
 
 from mnist_dist.bench import markdown, paired_ratio, report
 
@@ -38,7 +40,9 @@ def test_report_medians_targets_and_exposed_communication():
     share = rows["ddp: exposed communication"]
     assert share["median"] == pytest.approx(0.5 / 10.5) and share["max"] == pytest.approx(1 / 11)
     assert share["met"] is True  # 4.8 % <= 5 %
-    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2})
+    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cores": 2, "torch_threads": 2, "memory_gib": 23.5, "torch": "2.14.1"}
+    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2}, info)
+    assert table.startswith("machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile), 2 cores, 2 torch threads")
     assert "| single / classic | 1.10 | 1.00 – 1.20 | ≥ 1.15 | **no** |" in table
     assert "| ddp: exposed communication | 4.8% | 2.0% – 9.1% | ≤ 5% | yes |" in table
 
@@ -69,6 +73,8 @@ def test_a_tiny_run_reports_what_it_measured(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "bench.json").read_text())
+    assert_machine_fields(saved["machine"])
+    assert [run["torch_threads"] for run in saved["samples"]["single"]] == [os.cpu_count()] * 2
     speeds = {case: [run["images_per_s"] for run in runs] for case, runs in saved["samples"].items()}
     assert saved["cases"]["single"]["median"] == pytest.approx(sum(speeds["single"]) / 2)
     (ratio,) = saved["comparisons"]

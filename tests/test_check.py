@@ -99,4 +99,4 @@ def test_modes_that_need_a_named_submodule_warn(make_config):
 def test_a_model_that_cannot_be_built_is_one_line():
     with pytest.raises(SystemExit) as exit:
         check.main(["model._target_=test_check.NoSuchNet"])
-    assert str(exit.value).startswith("error: cannot build the model: Error locating target 'test_check.NoSuchNet'")
+    assert str(exit.value).startswith("error: model._target_=test_check.NoSuchNet cannot be imported")

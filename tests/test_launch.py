@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import FASHION
 
+from mnist_dist.metrics import tb_dir
+
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
 
@@ -30,9 +32,9 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["mode"], results["world_size"]) == (mode, ranks)
     for rank in range(ranks):
-        assert list((run_dir / "tb" / f"rank_{rank}").glob("events.out.tfevents.*"))
+        assert list(tb_dir(run_dir, rank).glob("events.out.tfevents.*"))
         assert "ddp on cpu" in (run_dir / f"rank_{rank}.log").read_text()
-    assert not (run_dir / "tb" / f"rank_{ranks}").exists()
+    assert not tb_dir(run_dir, ranks).exists()
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()
     return results
 

@@ -167,6 +167,7 @@ def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
             "-m",
             "mnist_dist.compare",
             "modes=[single,dp,ddp]",
+            "repeats=1",
             "gpus=2",
             f"data.root={tiny_root}",
             "data.mirrors=[]",

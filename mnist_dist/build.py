@@ -1,0 +1,50 @@
+"""The model from ``cfg.model``, with Hydra's InstantiationException said in one line that says what to do.
+
+Hydra's own messages ("Error locating target ..., set env var HYDRA_FULL_ERROR=1") name neither the
+usual cause (the module is not on the path) nor the usual fix; the two mistakes people make when
+pointing ``model._target_`` at their own class are a module Python cannot import and a constructor
+that does not take the convnet's ``dropout`` argument.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from torch import nn
+
+from mnist_dist.errors import ConfigError
+
+
+class ModelError(ConfigError):
+    """``model._target_`` or its arguments do not build a model; the message is one line."""
+
+
+def instantiate_model(model_cfg) -> nn.Module:
+    """``instantiate(model_cfg)``, or a ModelError that says what to change."""
+    try:
+        return instantiate(model_cfg)
+    except InstantiationException as error:
+        raise ModelError(describe(error, model_cfg["_target_"])) from error
+
+
+def describe(error: InstantiationException, target: str) -> str:
+    cause = error.__cause__
+    text = str(cause or error)
+    if isinstance(cause, ImportError):
+        # Hydra wraps the real error: 'Error loading ...:\nModuleNotFoundError("No module named ...")'
+        inner = re.search(r'\w+Error\("(.+)"\)', text)
+        return (
+            f"model._target_={target} cannot be imported ({inner.group(1) if inner else text.splitlines()[0]}); "
+            "check the name, and make its module importable: usually PYTHONPATH=<the directory that "
+            "holds the package> python -m mnist_dist ..."
+        )
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", text)
+    if unexpected:
+        key = unexpected.group(1)
+        return (
+            f"model._target_={target} takes no argument {key!r}, which the model config passes; "
+            f"add ~model.{key} to the command line to leave it out"
+        )
+    return f"model._target_={target} failed: {text.splitlines()[-1] if text else type(cause).__name__}"

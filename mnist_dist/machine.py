@@ -1,0 +1,87 @@
+"""What machine a number came from: the CPU and its bf16 flags, cores and threads, memory, torch, GPUs.
+
+Throughput depends on the machine more than on anything in this repository (bf16 autocast is 0.9x
+fp32 on one 2-core CPU and 1.4-1.8x on another with ``avx512_bf16``), so every results.json,
+bench.json and compare.json records ``describe()`` and every table prints ``summary_line()``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+# The CPU flags that decide whether bf16 autocast can pay off on a CPU: AVX-512 BF16 instructions,
+# and AMX tiles (Sapphire Rapids and later) with their bf16 matrix multiply.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _cpuinfo(text: str) -> tuple[str, set[str]]:
+    """(model name, flags) from the text of /proc/cpuinfo (first processor)."""
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def _memory_gib(meminfo: str) -> float:
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 2**20  # kB
+    return 0.0
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:  # not Linux: the fields fall back to what platform knows
+        return ""
+
+
+def describe() -> dict:
+    """This machine, as plain JSON-ready fields."""
+    model, flags = _cpuinfo(_read("/proc/cpuinfo"))
+    info = {
+        "cpu": model or platform.processor() or platform.machine(),
+        "cpu_flags": [flag for flag in BF16_FLAGS if flag in flags],  # empty: none of them
+        "cores": os.cpu_count() or 1,
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(_memory_gib(_read("/proc/meminfo")), 1),
+        "torch": torch.__version__,
+        "gpus": torch.cuda.device_count(),
+    }
+    if info["gpus"]:
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            cuda=torch.version.cuda,
+            driver=_nvidia_driver(),
+        )
+    return info
+
+
+def _nvidia_driver() -> str:
+    # The kernel module reports its version here; no nvidia-smi subprocess needed.
+    text = _read("/proc/driver/nvidia/version")
+    for word in text.split():
+        if word[:1].isdigit() and "." in word:
+            return word
+    return "unknown"
+
+
+def summary_line(info: dict) -> str:
+    """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx), 2 cores, ...``."""
+    flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
+    line = (
+        f"machine: {info['cpu']} ({flags}), {info['cores']} cores, {info['torch_threads']} torch threads, "
+        f"{info['memory_gib']:g} GiB, torch {info['torch']}"
+    )
+    if info.get("gpus"):
+        line += f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']}, driver {info['driver']})"
+    return line
