@@ -26,13 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from mnist_dist import checkpoint, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
-from mnist_dist.console import config_line
 from mnist_dist.data import DataError
 from mnist_dist.errors import describe_os_error, last_resort, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.train import TrainingDiverged
-
-log = logging.getLogger("mnist_dist")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
@@ -44,13 +41,10 @@ def main(cfg: DictConfig) -> None:
     try:
         config: Config = OmegaConf.to_object(cfg)
         validate(config)
-        if os.environ.get("RANK", "0") == "0":
-            overrides = config_line(list(HydraConfig.get().overrides.task))
-            log.info("config: %s (all of it in config.yaml)", overrides)
         with ExitStack() as held:
             for directory in _directories_written(config, run_dir):
                 held.enter_context(rundir.owned(directory))  # refused while a live run writes there
-            launch(config, run_dir)
+            launch(config, run_dir, HydraConfig.get().overrides.task)
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except OSError as error:  # disk full, a path that cannot be written, ...

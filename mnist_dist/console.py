@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TextIO
 
@@ -41,7 +41,7 @@ def console_filter(record: logging.LogRecord) -> bool:
     return not getattr(record, "file_only", False)
 
 
-def config_line(overrides: list[str]) -> str:
+def config_line(overrides: Sequence[str]) -> str:
     """``mode=ddp gpus=2 epochs=1``: what the command line changed, in one line."""
     return " ".join(overrides) or "the defaults"
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, guards, rundir
 from mnist_dist.config import Config, ConfigError, data_root
+from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.modes import MODES, Processes
 from mnist_dist.parallel import WorkerFailed, spawn
@@ -35,14 +37,18 @@ __all__ = ["launch", "WorkerFailed"]
 log = logging.getLogger("mnist_dist")
 
 
-def launch(cfg: Config, run_dir: Path) -> dict | None:
-    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode)."""
+def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
+    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode).
+
+    ``overrides``: the command line's, said in one console line once every check has passed (a bad
+    setting stays a one-line error); the full config goes to config.yaml and rank 0's log.
+    """
     if cfg.resume:  # checked here, in one process, before anything is overwritten
         path = checkpoint.locate(cfg.resume)
         checkpoint.check_resumable(checkpoint.load(path), cfg)
         cfg.resume, run_dir = str(path), path.parent  # the run goes on in its own directory
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _as_torchrun_worker(cfg, run_dir)
+        return _as_torchrun_worker(cfg, run_dir, overrides)
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
     guards.check_cpu_capacity(topology)
@@ -53,6 +59,7 @@ def launch(cfg: Config, run_dir: Path) -> dict | None:
         log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+    log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if mode.processes is Processes.ONE:
         return train(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
@@ -65,7 +72,7 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
     train(cfg, run_dir, data_dir, topology.for_rank(rank))
 
 
-def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
+def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict:
     die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
@@ -75,6 +82,8 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path) -> dict:
     dist.barrier()  # the other local ranks open the files only once they are complete
     data_dir = raw_dir(cfg.data.name, data_root(cfg))
     guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+    if topology.rank == 0:
+        log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)
 
 

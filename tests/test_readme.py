@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FASHION
+from helpers import FASHION
 
 from mnist_dist.readme_numbers import README, embed, main
 
