@@ -155,10 +155,12 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
         except _SOURCE_ERRORS as e:
             reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
             tried.append(f"{source} ({' '.join(reason.split())})")  # one line, whatever e says
+    # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
     debian = (
         " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
         if cls is FashionMNIST
-        else ""
+        else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
+        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
     )
     raise DataError(
         f"could not get {gz_name} for {name}: tried {', '.join(tried) or 'nothing (no mirrors)'}. "

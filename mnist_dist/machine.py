@@ -51,6 +51,9 @@ def describe() -> dict:
     info = {
         "cpu": model or platform.processor() or platform.machine(),
         "cpu_flags": [flag for flag in BF16_FLAGS if flag in flags],  # empty: none of them
+        # The vector kernels torch picked (AVX2, AVX512, ...): they set how sums round, so a
+        # deterministic run repeats bit for bit only on machines where this is the same.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count() or 1,
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(_memory_gib(_read("/proc/meminfo")), 1),
@@ -79,7 +82,8 @@ def summary_line(info: dict) -> str:
     """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx), 2 cores, ...``."""
     flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
     line = (
-        f"machine: {info['cpu']} ({flags}), {info['cores']} cores, {info['torch_threads']} torch threads, "
+        f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
+        f"{info['torch_threads']} torch threads, "
         f"{info['memory_gib']:g} GiB, torch {info['torch']}"
     )
     if info.get("gpus"):

@@ -57,7 +57,7 @@ def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-MACHINE_FIELDS = ("cpu", "cores", "torch_threads", "memory_gib", "torch", "gpus")
+MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "memory_gib", "torch", "gpus")
 
 
 def assert_machine_fields(info: dict) -> None:

@@ -40,9 +40,12 @@ def test_report_medians_targets_and_exposed_communication():
     share = rows["ddp: exposed communication"]
     assert share["median"] == pytest.approx(0.5 / 10.5) and share["max"] == pytest.approx(1 / 11)
     assert share["met"] is True  # 4.8 % <= 5 %
-    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cores": 2, "torch_threads": 2, "memory_gib": 23.5, "torch": "2.14.1"}
+    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
+    info.update(memory_gib=23.5, torch="2.14.1")
     table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2}, info)
-    assert table.startswith("machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile), 2 cores, 2 torch threads")
+    assert table.startswith(
+        "machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile; torch AVX2 kernels), 2 cores, 2 torch"
+    )
     assert "| single / classic | 1.10 | 1.00 – 1.20 | ≥ 1.15 | **no** |" in table
     assert "| ddp: exposed communication | 4.8% | 2.0% – 9.1% | ≤ 5% | yes |" in table
 

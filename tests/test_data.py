@@ -395,3 +395,12 @@ def test_dataset_names_and_official_mirrors():
     assert data.official_mirrors("fashion_mnist") == torchvision.datasets.FashionMNIST.mirrors
     with pytest.raises(DataError, match="unknown dataset 'cifar'; valid names: mnist, fashion_mnist"):
         data.dataset_class("cifar")
+
+
+def test_offline_mnist_names_the_fashion_mnist_package_route(tmp_path):
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path / "root", [])
+    assert str(error.value).endswith(
+        "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
+        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
+    )

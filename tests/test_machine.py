@@ -27,6 +27,7 @@ def test_summary_line_names_cpu_flags_threads_and_torch():
     info = {
         "cpu": "AMD EPYC",
         "cpu_flags": ["avx512_bf16"],
+        "cpu_capability": "AVX512",
         "cores": 2,
         "torch_threads": 2,
         "memory_gib": 23.5,
@@ -34,11 +35,11 @@ def test_summary_line_names_cpu_flags_threads_and_torch():
         "gpus": 0,
     }
     assert machine.summary_line(info) == (
-        "machine: AMD EPYC (avx512_bf16), 2 cores, 2 torch threads, 23.5 GiB, torch 2.14.1"
+        "machine: AMD EPYC (avx512_bf16; torch AVX512 kernels), 2 cores, 2 torch threads, 23.5 GiB, torch 2.14.1"
     )
     info.update(cpu_flags=[], gpus=2, gpu="NVIDIA H200", cuda="12.8", driver="570.1")
     assert machine.summary_line(info).endswith(
-        "(no avx512_bf16/amx_bf16/amx_tile), 2 cores, 2 torch threads, 23.5 GiB, torch 2.14.1, "
+        "(no avx512_bf16/amx_bf16/amx_tile; torch AVX512 kernels), 2 cores, 2 torch threads, 23.5 GiB, torch 2.14.1, "
         "2 x NVIDIA H200 (CUDA 12.8, driver 570.1)"
     )
 

@@ -328,7 +328,8 @@ def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, trained
     with pytest.raises(ConfigError) as error:
         launch(_resume_config(tiny_root, run_dir, "model=resnet", "resume_allow_changes=true"), tmp_path / "new")
     assert str(error.value).startswith(
-        "resume: the checkpoint does not fit model=mnist_dist.model.ResNet with optim=torch.optim.Adadelta (RuntimeError: "
+        "resume: the checkpoint does not fit model=mnist_dist.model.ResNet with optim=torch.optim.Adadelta "
+        "(RuntimeError: "
     )
     assert "\n" not in str(error.value)
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
