@@ -47,8 +47,6 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
     training = shlex.split(first_command.split(" && ")[-1])  # .venv/bin/python -m mnist_dist ...
     assert training[:3] == [".venv/bin/python", "-m", "mnist_dist"]
     ((claimed, kernels),) = re.findall(r"reaches (\d+\.\d+) % test accuracy where torch runs its\s+(\w+) kernels", text)
-    if torch.backends.cpu.get_cpu_capability() != kernels:  # other kernels round differently
-        pytest.skip(f"the README's figure is for torch's {kernels} kernels")
     result = subprocess.run(
         [sys.executable, *training[1:], f"data.root={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True,
@@ -57,4 +55,6 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     accuracy = json.loads((tmp_path / "run" / "results.json").read_text())["test_accuracy"]
-    assert f"{100 * accuracy:.2f}" == claimed
+    assert accuracy >= 0.85  # on any machine: one epoch of the classic recipe learns
+    if torch.backends.cpu.get_cpu_capability() == kernels:  # other kernels round differently
+        assert f"{100 * accuracy:.2f}" == claimed
