@@ -1,7 +1,7 @@
 """What rank 0 shows on the console: one line of config, and the progress.
 
 The config: the console gets the command line's overrides, in one line; the full config goes to
-config.yaml and to the log file (``FILE_ONLY`` marks such records).
+config.yaml and to the log file (``mnist_dist.errors.FILE_ONLY`` marks such records).
 
 The progress: a tqdm bar in a terminal, and a log line at intervals everywhere else.
 
@@ -33,12 +33,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 tqdm.set_lock(threading.RLock())
 
 LOG_INTERVAL_S = 30.0
-FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console
-
-
-def console_filter(record: logging.LogRecord) -> bool:
-    """For the console handler: drops records logged with ``extra=FILE_ONLY``."""
-    return not getattr(record, "file_only", False)
 
 
 def config_line(overrides: Sequence[str]) -> str:

@@ -13,12 +13,15 @@ class ConfigError(ValueError):
     """A setting that composes but cannot run; the message is one line with the numbers."""
 
 
-class NoTracebacks(logging.Filter):
-    """For console handlers: a record that carries a traceback is for the log file; the console gets
-    the one ``error:`` line the launcher prints instead."""
+FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console
+
+
+class FileOnly(logging.Filter):
+    """For console handlers: a record that carries a traceback is for the log file (the console gets
+    the one ``error:`` line the launcher prints instead), and so is one logged with ``FILE_ONLY``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None
+        return record.exc_info is None and not getattr(record, "file_only", False)
 
 
 def describe_os_error(error: OSError) -> str:
@@ -51,7 +54,7 @@ def last_resort(error: BaseException, log: Path) -> str:
 
 
 def console_handler() -> logging.Handler:
-    """stderr, without tracebacks (see NoTracebacks)."""
+    """stderr, without tracebacks and file-only records (see FileOnly)."""
     handler = logging.StreamHandler()
-    handler.addFilter(NoTracebacks())
+    handler.addFilter(FileOnly())
     return handler

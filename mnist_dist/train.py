@@ -23,9 +23,9 @@ from torch import nn
 from mnist_dist import checkpoint
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
-from mnist_dist.console import FILE_ONLY, Progress, console_filter
+from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import console_handler
+from mnist_dist.errors import FILE_ONLY, console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
 from mnist_dist.modes import wrap_model
 from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap
@@ -100,7 +100,7 @@ def build(
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
-        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has __main__'s one line
+        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
         (run_dir / "config.yaml").write_text(config_yaml)
     train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
     test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
@@ -317,8 +317,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
-        handlers.append(console_handler())  # tracebacks go to the log file only
-        handlers[-1].addFilter(console_filter)  # so does the full config
+        handlers.append(console_handler())  # tracebacks and the full config go to the log file only
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
