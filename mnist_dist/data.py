@@ -47,9 +47,23 @@ def dataset_class(name: str) -> type:
         raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}") from None
 
 
+# https copies of the upstream .gz files (byte for byte, so md5-checked) where torchvision knows only
+# plain http: Fashion-MNIST's authors keep them in their repository.
+_UPSTREAM_HTTPS = {
+    "fashion_mnist": ["https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"]
+}
+
+
 def official_mirrors(name: str) -> list[str]:
-    """torchvision's mirrors for the dataset: the config defaults, and the only md5-checked sources."""
-    return list(dataset_class(name).mirrors)
+    """The config defaults: torchvision's https mirrors and the authors' https copy. Plain http (such
+    as yann.lecun.com) is tried only where the user writes it."""
+    https = [m for m in dataset_class(name).mirrors if m.startswith("https://")]
+    return https + _UPSTREAM_HTTPS.get(name, [])
+
+
+def _md5_checked(name: str) -> set[str]:
+    """Sources known to serve the upstream .gz files, whose md5s torchvision records."""
+    return {m.rstrip("/") for m in [*dataset_class(name).mirrors, *official_mirrors(name)]}
 
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
@@ -139,7 +153,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
                 ) from None
             log.warning("%s is invalid (%s); fetching it again", dest, reason)
             tried.append(f"{dest} ({reason})")
-    official = {m.rstrip("/") for m in cls.mirrors}
+    official = _md5_checked(name)
     local_gz = [str(raw)] if (raw / gz_name).is_file() else []
     for source in [*local_gz, *mirrors]:
         try:

@@ -53,10 +53,12 @@ def test_optimizer_and_scheduler_are_built_from_their_config(make_config, overri
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist"])
-def test_default_mirrors_are_torchvisions(name):
+def test_default_mirrors_are_the_official_https_ones(name):
+    """Plain http only where the user wrote it: a default mirror is https and md5-checked."""
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"data={name}"])
     assert list(cfg.data.mirrors) == official_mirrors(name)
+    assert cfg.data.mirrors and all(m.startswith("https://") for m in cfg.data.mirrors)
 
 
 def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):

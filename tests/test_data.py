@@ -391,8 +391,10 @@ def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
 def test_dataset_names_and_official_mirrors():
     assert data.dataset_class("mnist") is torchvision.datasets.MNIST
     assert data.dataset_class("fashion_mnist") is torchvision.datasets.FashionMNIST
-    assert data.official_mirrors("mnist") == torchvision.datasets.MNIST.mirrors
-    assert data.official_mirrors("fashion_mnist") == torchvision.datasets.FashionMNIST.mirrors
+    assert data.official_mirrors("mnist") == ["https://ossci-datasets.s3.amazonaws.com/mnist/"]
+    assert data.official_mirrors("fashion_mnist") == [
+        "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"
+    ]
     with pytest.raises(DataError, match="unknown dataset 'cifar'; valid names: mnist, fashion_mnist"):
         data.dataset_class("cifar")
 
