@@ -537,7 +537,7 @@ def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, m
     with pytest.raises(ConfigError) as error:
         launch(make_config("mode=ddp", "gpus=64", "device=cpu", "batch_size=64"), tmp_path)
     assert str(error.value) == (
-        "gpus=64 CPU workers need about 68.8 GiB (1100 MiB each) but 24.0 GiB is available; use gpus=22 or fewer"
+        "gpus=64 CPU workers need about 93.8 GiB (1500 MiB each) but 24.0 GiB is available; use gpus=16 or fewer"
     )
 
 
