@@ -6,6 +6,7 @@ only ever call `load_split`, which needs no network and trusts the files.
 """
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -20,13 +21,10 @@ from urllib.request import url2pathname
 
 import torch
 from filelock import FileLock
-from torchvision.datasets import MNIST, FashionMNIST
-from torchvision.datasets.mnist import read_image_file, read_label_file
-from torchvision.datasets.utils import check_integrity
 
 log = logging.getLogger(__name__)
 
-_DATASETS = {"mnist": MNIST, "fashion_mnist": FashionMNIST}
+_DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class
 _SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
 _FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
 _TIMEOUT_S = 60  # per network read
@@ -41,6 +39,15 @@ class DataError(RuntimeError):
 
 def dataset_class(name: str) -> type:
     """The torchvision class for a config name; it fixes the file names, md5s, mirrors and folder."""
+    class_name = _class_name(name)
+    # Imported here, in the parent's prepare only: torchvision imports torch._dynamo, seconds of CPU
+    # that every worker would pay at start for files it only reads.
+    import torchvision.datasets
+
+    return getattr(torchvision.datasets, class_name)
+
+
+def _class_name(name: str) -> str:
     try:
         return _DATASETS[name]
     except KeyError:
@@ -68,7 +75,7 @@ def _md5_checked(name: str) -> set[str]:
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
     """Where the decompressed IDX files of ``name`` live under ``root`` (torchvision's layout)."""
-    return Path(root) / dataset_class(name).__name__ / "raw"
+    return Path(root) / _class_name(name) / "raw"
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
@@ -113,10 +120,15 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
     """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` validated them."""
     prefix = "train" if train else "t10k"
     raw = Path(raw_dir)
-    return (
-        read_image_file(str(raw / f"{prefix}-images-idx3-ubyte")),
-        read_label_file(str(raw / f"{prefix}-labels-idx1-ubyte")),
-    )
+    images = _read_idx(raw / f"{prefix}-images-idx3-ubyte", header_len=16)
+    labels = _read_idx(raw / f"{prefix}-labels-idx1-ubyte", header_len=8)
+    return images.view(-1, 28, 28), labels.long()
+
+
+def _read_idx(path: Path, header_len: int) -> torch.Tensor:
+    """The uint8 items after the header (torchvision's reader does the same, but importing it costs a
+    worker seconds: see dataset_class)."""
+    return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
 
 
 def to_device_tensors(
@@ -172,7 +184,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
     # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
     debian = (
         " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
-        if cls is FashionMNIST
+        if cls.__name__ == "FashionMNIST"
         else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
         "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
     )
@@ -226,7 +238,7 @@ def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Pa
         tmp = raw / f".download-{gz_name}"
         try:
             _download(f"{source.rstrip('/')}/{gz_name}", tmp, _largest_valid(gz_name) + (1 << 20))
-            if md5 and not check_integrity(tmp, md5):
+            if md5 and hashlib.md5(tmp.read_bytes()).hexdigest() != md5:
                 raise DataError(f"md5 mismatch, expected {md5}: corrupt download")
             yield tmp
         finally:

@@ -34,6 +34,14 @@ def test_the_parallel_library_imports_nothing_of_the_app():
     ]
 
 
+def test_a_worker_imports_neither_torchvision_nor_dynamo():
+    """torchvision imports torch._dynamo (seconds of CPU per process); only the parent's prepare needs it."""
+    code = "import sys, mnist_dist.launch; print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}))"
+    code += "; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["[]", "False"]
+
+
 def function_lengths() -> dict[str, int]:
     lengths = {}
     for path in sorted(PACKAGE.rglob("*.py")):
