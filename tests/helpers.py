@@ -57,6 +57,35 @@ def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+class Raised:
+    """What a call of run_batch raised on a rank, in place of its result."""
+
+    def __init__(self, error: BaseException):
+        self.text = f"{type(error).__name__}: {error}"
+
+    def __repr__(self) -> str:
+        return f"Raised({self.text!r})"
+
+
+def _each(rank: int, world_size: int, calls: dict) -> dict:
+    results = {}
+    for key, (fn, *args) in calls.items():
+        try:
+            results[key] = fn(rank, world_size, *args)
+        except Exception as error:  # one broken check must not hide the others' results
+            results[key] = Raised(error)
+        dist.barrier()  # the next call starts together on every rank
+    return results
+
+
+def run_batch(calls: dict, world_size: int, workdir: Path) -> dict[str, list]:
+    """Like run_ranks for several calls ``{key: (fn, *args)}`` in ONE job, in order: a test module pays
+    for starting the ranks once, not once per test. Returns ``{key: [result by rank]}``; a call that
+    raised gives ``Raised`` on that rank (the calls must raise alike on every rank, or not at all)."""
+    by_rank = run_ranks(_each, world_size, workdir, calls)
+    return {key: [results[key] for results in by_rank] for key in calls}
+
+
 MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "memory_gib", "torch", "gpus")
 
 

@@ -5,13 +5,45 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import Raised, run_batch
 from torch import nn
 
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel, compute_ends
 
 GLOBAL_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every check's rank functions in one 2-rank job (starting ranks costs seconds; they run in ms):
+    ``ranks(key)`` is that call's results by rank."""
+    results = run_batch(
+        {
+            "grads 3+buckets": (ddp_step, 200_000, True),
+            "grads one-bucket": (ddp_step, 10_000_000, True),
+            "grads no-overlap": (ddp_step, 200_000, False),
+            "bf16": (ddp_step, 200_000, True, True),
+            "no_sync": (no_sync_accumulation,),
+            "plans": (plans_and_refreezing,),
+            "unused strict": (_both_skip,),
+            "unused allowed": (unused_parameter, True),
+            "fp16": (fp16_on_gloo,),
+            "buffers True": (batchnorm_buffers, True),
+            "buffers False": (batchnorm_buffers, False),
+            "compute": (compute_then_wait,),
+            "shared overlap": (shared_across_checkpoint, True),
+            "shared no-overlap": (shared_across_checkpoint, False),
+        },
+        2,
+        tmp_path_factory.mktemp("ddp"),
+    )
+
+    def get(key: str) -> list:
+        assert not any(isinstance(r, Raised) for r in results[key]), results[key]
+        return results[key]
+
+    return get
 
 
 def batch(seed: int = 0, n: int = GLOBAL_BATCH):
@@ -49,13 +81,12 @@ def ddp_step(rank, world_size, message_size, overlap, compress=False):
 
 
 @pytest.mark.parametrize(
-    "message_size, overlap, min_buckets",
-    [(200_000, True, 3), (10_000_000, True, 1), (200_000, False, 3)],
-    ids=["3+buckets", "one-bucket", "no-overlap"],
+    "case, min_buckets",
+    [("3+buckets", 3), ("one-bucket", 1), ("no-overlap", 3)],  # message_size 200k/10M, overlap on/on/off
 )
-def test_gradients_equal_single_process_on_global_batch(tmp_path, message_size, overlap, min_buckets):
+def test_gradients_equal_single_process_on_global_batch(ranks, case, min_buckets):
     expected = single_step_grads()
-    results = run_ranks(ddp_step, 2, tmp_path, message_size, overlap)
+    results = ranks(f"grads {case}")
     for grads, plan in results:
         assert len(plan) >= min_buckets
         assert sorted(n for bucket in plan for n in bucket) == sorted(expected)
@@ -66,9 +97,9 @@ def test_gradients_equal_single_process_on_global_batch(tmp_path, message_size, 
         assert len(results[0][1]) == 1
 
 
-def test_bf16_compressed_gradients_match_to_bf16_precision(tmp_path):
+def test_bf16_compressed_gradients_match_to_bf16_precision(ranks):
     expected = single_step_grads()
-    for grads, plan in run_ranks(ddp_step, 2, tmp_path, 200_000, True, True):
+    for grads, plan in ranks("bf16"):
         assert len(plan) >= 3
         for name, grad in grads.items():
             # bf16 keeps 8 bits of mantissa: each rank's half is rounded once, the sum is exact fp32.
@@ -91,9 +122,9 @@ def no_sync_accumulation(rank, world_size):
     return no_sync_grads, {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
-def test_no_sync_accumulation_equals_one_step_on_the_union(tmp_path):
+def test_no_sync_accumulation_equals_one_step_on_the_union(ranks):
     expected = single_step_grads()
-    results = run_ranks(no_sync_accumulation, 2, tmp_path)
+    results = ranks("no_sync")
     local = [r[0]["classifier.3.bias"] for r in results]
     assert not torch.allclose(local[0], local[1])  # inside no_sync the ranks really differ
     for _, grads in results:
@@ -126,8 +157,8 @@ def plans_and_refreezing(rank, world_size):
     return first, ddp.bucket_plan
 
 
-def test_arrival_order_agreed_and_recorded_again_after_freezing(tmp_path):
-    (first0, frozen0), (first1, frozen1) = run_ranks(plans_and_refreezing, 2, tmp_path)
+def test_arrival_order_agreed_and_recorded_again_after_freezing(ranks):
+    (first0, frozen0), (first1, frozen1) = ranks("plans")
     assert first0 == first1 and frozen0 == frozen1
     flat = [n for bucket in first0 for n in bucket]
     # Backward reaches the heads before the body: the recorded order says so, parameters() does not.
@@ -151,15 +182,13 @@ def unused_parameter(rank, world_size, find_unused):
     return ddp.module.spare.weight.grad.clone()
 
 
-def test_unused_parameter_is_named_unless_allowed(tmp_path):
-    (tmp_path / "strict").mkdir()
-    messages = run_ranks(_both_skip, 2, tmp_path / "strict")
+def test_unused_parameter_is_named_unless_allowed(ranks):
+    messages = ranks("unused strict")
     for message in messages:
         assert "spare.weight" in message and "spare.bias" in message
         assert "find_unused_parameters" in message
         assert "body.weight" not in message
-    (tmp_path / "allowed").mkdir()
-    grads = run_ranks(unused_parameter, 2, tmp_path / "allowed", True)
+    grads = ranks("unused allowed")
     # Rank 0 contributed zeros, so both hold half of rank 1's gradient.
     torch.testing.assert_close(grads[0], grads[1])
     assert grads[0].abs().sum() > 0
@@ -179,8 +208,8 @@ def fp16_on_gloo(rank, world_size):
     return [str(w.message) for w in caught], ddp.module.head.weight.grad.dtype
 
 
-def test_fp16_gradients_on_gloo_warn_once(tmp_path):
-    for messages, dtype in run_ranks(fp16_on_gloo, 2, tmp_path):
+def test_fp16_gradients_on_gloo_warn_once(ranks):
+    for messages, dtype in ranks("fp16"):
         assert dtype == torch.float16
         assert len(messages) == 1 and messages[0].startswith("fp16 gradients on gloo")
 
@@ -198,8 +227,8 @@ def batchnorm_buffers(rank, world_size, broadcast):
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_buffers_follow_rank_0_before_each_forward(tmp_path, broadcast):
-    mean0, mean1 = run_ranks(batchnorm_buffers, 2, tmp_path, broadcast)
+def test_buffers_follow_rank_0_before_each_forward(ranks, broadcast):
+    mean0, mean1 = ranks(f"buffers {broadcast}")
     assert torch.equal(mean0, mean1) == broadcast
 
 
@@ -222,8 +251,8 @@ def compute_then_wait(rank, world_size):
     return seen, ddp.before_comm_wait
 
 
-def test_compute_phase_ends_before_the_wait_at_the_end_of_backward(tmp_path):
-    for rank, (seen, hook_left) in enumerate(run_ranks(compute_then_wait, 2, tmp_path)):
+def test_compute_phase_ends_before_the_wait_at_the_end_of_backward(ranks):
+    for rank, (seen, hook_left) in enumerate(ranks("compute")):
         assert len(seen) == 3 and hook_left is None
         # Called inside backward, before the all-reduce was written back: this rank's own gradient.
         torch.testing.assert_close(seen[0], torch.full((2,), 4.0 * (rank + 1)))
@@ -256,9 +285,8 @@ def shared_across_checkpoint(rank, world_size, overlap):
     return ddp.module.shared.weight.grad.clone()
 
 
-def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_without(tmp_path):
-    (tmp_path / "overlap").mkdir()
-    for message in run_ranks(shared_across_checkpoint, 2, tmp_path / "overlap", True):
+def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_without(ranks):
+    for message in ranks("shared overlap"):
         assert re.fullmatch(
             r"shared\.(weight|bias) got a second gradient in one backward after its bucket was sent; "
             r"pass overlap=False, or checkpoint with use_reentrant=False",
@@ -266,6 +294,5 @@ def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_with
         )
     net = SharedAcrossCheckpoint()
     net(torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])).sum().backward()
-    (tmp_path / "no_overlap").mkdir()
-    for grad in run_ranks(shared_across_checkpoint, 2, tmp_path / "no_overlap", False):
+    for grad in ranks("shared no-overlap"):
         torch.testing.assert_close(grad, net.shared.weight.grad / 2)  # the average of the two ranks' sums
