@@ -40,6 +40,10 @@ BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second
 # Our DDP and torch DDP divide by the world size and then sum the same two tensors, so they agree to
 # rounding; a real difference (a gradient missed or averaged twice) is orders of magnitude larger.
 TOLERANCE = 1e-5
+# fsdp with mode.param_dtype or reduce_dtype bfloat16 computes with 8-bit mantissas: there the check is
+# |fsdp - torch DDP| / |torch DDP| over all gradients. A bf16 copy of the convnet is 9 % off fp32 on
+# these random batches (fsdp on 2 ranks: 5 %); gradients missed or summed instead of averaged: 100 %.
+BF16_TOLERANCE = 0.25
 BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 Line = tuple[str, str, str]  # status (OK, WARN, FAIL, SKIP), check, why
@@ -222,10 +226,17 @@ def _fsdp_step(cfg: Config, rank: int, x: torch.Tensor, y: torch.Tensor, referen
         return {"fsdp_error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
     # full_tensor() gathers each gradient's shards: a collective, in the same order on every rank
     grads = [torch.zeros(p.shape) if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
-    difference = (torch.cat([g.flatten() for g in grads]) - reference).abs().max()
+    error = torch.cat([g.flatten() for g in grads]) - reference
+    bf16 = "bfloat16" in (mode.param_dtype.name, mode.reduce_dtype.name)
+    difference = error.norm() / reference.norm() if bf16 else error.abs().max()
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
     state = fsdp.model_state(model)
-    return {"fsdp_difference": difference.item(), "fsdp_plain": _load_error(build(cfg), state) if rank == 0 else ""}
+    tolerance = BF16_TOLERANCE if bf16 else TOLERANCE
+    return {
+        "fsdp_difference": difference.item(),
+        "fsdp_tolerance": tolerance,
+        "fsdp_plain": _load_error(build(cfg), state) if rank == 0 else "",
+    }
 
 
 def _load_error(model: nn.Module, state: dict) -> str:
@@ -264,13 +275,10 @@ def _fsdp(report: dict) -> Line:
         return "FAIL", "fsdp", f"a step with mode=fsdp failed: {report['fsdp_error']}"
     if report["fsdp_plain"]:
         return "FAIL", "fsdp", f"its full state dict does not load into a fresh model: {report['fsdp_plain']}"
-    if report["fsdp_difference"] > TOLERANCE:
-        return (
-            "FAIL",
-            "fsdp",
-            f"gradients differ from torch DDP's by {report['fsdp_difference']:.1e} (tolerance {TOLERANCE:g})",
-        )
-    why = f"gradients agree with torch DDP's within {report['fsdp_difference']:.1e} on {RANKS} ranks"
+    numbers = f"{report['fsdp_difference']:.1e} (tolerance {report['fsdp_tolerance']:.1e})"
+    if report["fsdp_difference"] > report["fsdp_tolerance"]:
+        return "FAIL", "fsdp", f"gradients differ from torch DDP's by {numbers}"
+    why = f"gradients agree with torch DDP's within {numbers} on {RANKS} ranks"
     return "OK", "fsdp", f"{why}; its full state dict loads into a fresh model"
 
 

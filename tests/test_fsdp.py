@@ -6,15 +6,17 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import compose_config, scalars
 from torch import nn
 
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import ConfigError
-from mnist_dist.fsdp import layer_groups
+from mnist_dist.fsdp import layer_groups, model_state, shard
 from mnist_dist.launch import launch
 from mnist_dist.metrics import state_bytes
 from mnist_dist.model import ConvNet, ResidualBlock, ResNet
+from mnist_dist.modes import Dtype, FSDPMode
 from mnist_dist.train import evaluate
 
 # 640 tiny images at a global batch of 30 (divisible by 2 and 3 ranks): 21 steps an epoch, dropout off.
@@ -48,9 +50,25 @@ def test_state_bytes_counts_parameters_gradients_and_optimizer_state_once():
     assert state_bytes(model, optimizer) == 3 * 110 * 4  # weights, gradients, momentum
 
 
-def test_bad_dtype_is_refused_while_composing(tiny_root):
-    with pytest.raises(Exception, match="mode.param_dtype=fp16"):
-        compose_config(tiny_root, "mode=fsdp", "mode.param_dtype=fp16")
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone: fully_shard runs in-process, in a second."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bf16_knobs_compute_in_bf16_and_keep_fp32_shards(one_rank):
+    model = shard(
+        ConvNet(dropout=False), FSDPMode(param_dtype=Dtype.bfloat16, reduce_dtype=Dtype.bfloat16), torch.device("cpu")
+    )
+    seen = []
+    model.classifier[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    logits = model(torch.randn(2, 1, 28, 28))
+    assert seen == [torch.bfloat16] and logits.dtype == torch.float32  # the loss is computed in fp32
+    logits.sum().backward()
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())  # what the optimizer steps
+    assert list(model_state(model)) == list(ConvNet().state_dict())  # plain keys
 
 
 @pytest.fixture(scope="module")
