@@ -25,6 +25,7 @@ import matplotlib
 import torch
 
 from mnist_dist import machine
+from mnist_dist.metrics import state_bytes
 from mnist_dist.synthetic import write_idx
 
 matplotlib.use("Agg")
@@ -41,10 +42,11 @@ CASES = {
     "ddp_no_overlap": ["mode=ddp", "mode.overlap=false"],
     "ddp_1_bucket": ["mode=ddp", "mode.message_size=10000000"],
     "ddp_per_param": ["mode=ddp", "mode.message_size=1"],
+    "fsdp": ["mode=fsdp"],  # each rank holds 1/gpus of the model and gathers each layer group as it runs
 }
 GROUPS = [
     ["single", "classic", "ceiling", "single_bf16"],
-    ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param"],
+    ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param", "fsdp"],
 ]
 # (case, baseline, target ratio or None, what it answers)
 COMPARISONS = [
@@ -54,6 +56,7 @@ COMPARISONS = [
     ("ddp", "ddp_no_overlap", None, "all-reduce overlapped with backward vs after it"),
     ("ddp_per_param", "ddp_1_bucket", None, "one bucket per parameter vs one bucket"),
     ("ddp", "ddp_1_bucket", None, "3 buckets (default) vs one bucket"),
+    ("fsdp", "ddp", None, "sharded parameters, gradients and optimizer state vs replicas, 2 ranks"),
     ("single_bf16", "single", 1.5, "bf16 autocast vs fp32"),
 ]
 EXPOSED_COMM_TARGET = 0.05  # ddp: share of the step spent waiting for the all-reduce after backward
@@ -72,7 +75,11 @@ def report(samples: dict[str, list[dict]]) -> dict:
     """The numbers behind the tables, from every run's measurement."""
     speed = {case: [run["images_per_s"] for run in runs] for case, runs in samples.items()}
     cases = {
-        case: {**summarize(values), "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case])}
+        case: {
+            **summarize(values),
+            "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case]),
+            "model_state_mib": max(max(run["model_state_mib"]) for run in samples[case]),
+        }
         for case, values in speed.items()
     }
     comparisons = []
@@ -111,12 +118,13 @@ def markdown(result: dict, settings: dict, machine_info: dict) -> str:
         f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
         f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
         "",
-        "| case | images/s (median) | min – max | peak RSS per rank (MiB) |",
-        "|---|---|---|---|",
+        "| case | images/s (median) | min – max | peak RSS per rank (MiB) | model state per rank (MiB) |",
+        "|---|---|---|---|---|",
     ]
     for case, row in result["cases"].items():
         lines.append(
-            f"| {case} | {row['median']:,.0f} | {row['min']:,.0f} – {row['max']:,.0f} | {row['peak_rss_mib']:,.0f} |"
+            f"| {case} | {row['median']:,.0f} | {row['min']:,.0f} – {row['max']:,.0f} | {row['peak_rss_mib']:,.0f} | "
+            f"{row['model_state_mib']:,.1f} |"
         )
     lines += ["", "| comparison | ratio (median) | min – max | target | met |", "|---|---|---|---|---|"]
     for row in result["comparisons"]:
@@ -179,6 +187,7 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
     return {
         "images_per_s": steps * batch / seconds,
         "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
+        "model_state_mib": [state_bytes(model, optimizer) / 2**20],
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -223,6 +232,7 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     return {
         "images_per_s": results["train_images_per_s"],
         "peak_rss_mib": results["peak_rss_mib"],
+        "model_state_mib": results["model_state_mib"],
         "step_time_ms": results["step_time_ms"],
         "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
     }

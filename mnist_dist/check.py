@@ -6,8 +6,8 @@
 
 Arguments are Hydra overrides, as for ``python -m mnist_dist``: the model is built from the config, and
 ``mode.*`` options (sync_batchnorm, find_unused_parameters, dp_block, split_at) and ``deterministic``
-count. It takes one step in every mode on random MNIST-shaped batches, ddp and torch_ddp on 2 CPU ranks
-with gloo, and prints one line per check: OK, WARN or FAIL, and why. Exits 1 if any check fails.
+count. It takes one step in every mode on random MNIST-shaped batches, ddp, torch_ddp and fsdp on 2 CPU
+ranks with gloo, and prints one line per check: OK, WARN or FAIL, and why. Exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from mnist_dist import fsdp
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.modes import MODES, Processes, wrap_model
@@ -39,6 +40,10 @@ BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second
 # Our DDP and torch DDP divide by the world size and then sum the same two tensors, so they agree to
 # rounding; a real difference (a gradient missed or averaged twice) is orders of magnitude larger.
 TOLERANCE = 1e-5
+# fsdp with mode.param_dtype or reduce_dtype bfloat16 computes with 8-bit mantissas: there the check is
+# |fsdp - torch DDP| / |torch DDP| over all gradients. A bf16 copy of the convnet is 9 % off fp32 on
+# these random batches (fsdp on 2 ranks: 5 %); gradients missed or summed instead of averaged: 100 %.
+BF16_TOLERANCE = 0.25
 BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 Line = tuple[str, str, str]  # status (OK, WARN, FAIL, SKIP), check, why
@@ -99,7 +104,7 @@ def check_modes(cfg: Config) -> tuple[Line, list[str]]:
         return ("FAIL", "modes", "; ".join(failed)), unused
     if unusable:
         return ("WARN", "modes", f"other modes took a step; not usable as configured: {'; '.join(unusable)}"), unused
-    return ("OK", "modes", f"{', '.join(variants)} took a step (ddp, torch_ddp below)"), unused
+    return ("OK", "modes", f"{', '.join(variants)} took a step (ddp, torch_ddp, fsdp below)"), unused
 
 
 def check_unused(cfg: Config, unused: list[str]) -> Line:
@@ -182,6 +187,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
             )
         difference = (grads["ddp"] - grads["torch_ddp"]).abs().max()
         dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+        sharded = _fsdp_step(cfg, rank, x, y, grads["torch_ddp"])
         # Buffers after one step: the wrappers broadcast rank 0's before each forward, which then
         # updates each rank's copy from its own batch.
         differing = []
@@ -197,6 +203,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
                 "difference": difference.item(),
                 "differing": differing,
                 "buffers": len(list(unwrap(wrapped["ddp"]).buffers())),
+                **sharded,
             }
             for name, model in wrapped.items():
                 report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
@@ -205,6 +212,31 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still works can abort it
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_step(cfg: Config, rank: int, x: torch.Tensor, y: torch.Tensor, reference: torch.Tensor) -> dict:
+    """One step in fsdp (as configured, or with conf/mode/fsdp.yaml's defaults): how far its gathered
+    gradients are from torch DDP's, and whether its full state dict loads into a fresh model."""
+    mode = cfg.mode if cfg.mode.name == "fsdp" else MODES["fsdp"].schema(name="fsdp")
+    try:
+        model = wrap_model(build(cfg), mode, torch.device("cpu"))
+        torch.manual_seed(cfg.seed + rank)  # the dropout masks the DDP steps drew
+        step(model, mode, x, y)
+    except Exception as error:  # the same model and settings on every rank: every rank fails alike
+        return {"fsdp_error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    # full_tensor() gathers each gradient's shards: a collective, in the same order on every rank
+    grads = [torch.zeros(p.shape) if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+    error = torch.cat([g.flatten() for g in grads]) - reference
+    bf16 = "bfloat16" in (mode.param_dtype.name, mode.reduce_dtype.name)
+    difference = error.norm() / reference.norm() if bf16 else error.abs().max()
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    state = fsdp.model_state(model)
+    tolerance = BF16_TOLERANCE if bf16 else TOLERANCE
+    return {
+        "fsdp_difference": difference.item(),
+        "fsdp_tolerance": tolerance,
+        "fsdp_plain": _load_error(build(cfg), state) if rank == 0 else "",
+    }
 
 
 def _load_error(model: nn.Module, state: dict) -> str:
@@ -223,7 +255,7 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
         except WorkerFailed as error:
             return [("FAIL", "ddp", f"a step with our DDP or torch DDP failed: {error} (traceback above)")]
         report = json.loads(out.read_text())
-    return [_agreement(report), _buffers(report), _checkpoint(report)]
+    return [_agreement(report), _fsdp(report), _buffers(report), _checkpoint(report)]
 
 
 def _agreement(report: dict) -> Line:
@@ -236,6 +268,18 @@ def _agreement(report: dict) -> Line:
         f"gradients differ by {report['difference']:.1e} (tolerance {TOLERANCE:g}): our DDP does not "
         "average this model's gradients as torch DDP does",
     )
+
+
+def _fsdp(report: dict) -> Line:
+    if "fsdp_error" in report:
+        return "FAIL", "fsdp", f"a step with mode=fsdp failed: {report['fsdp_error']}"
+    if report["fsdp_plain"]:
+        return "FAIL", "fsdp", f"its full state dict does not load into a fresh model: {report['fsdp_plain']}"
+    numbers = f"{report['fsdp_difference']:.1e} (tolerance {report['fsdp_tolerance']:.1e})"
+    if report["fsdp_difference"] > report["fsdp_tolerance"]:
+        return "FAIL", "fsdp", f"gradients differ from torch DDP's by {numbers}"
+    why = f"gradients agree with torch DDP's within {numbers} on {RANKS} ranks"
+    return "OK", "fsdp", f"{why}; its full state dict loads into a fresh model"
 
 
 def _buffers(report: dict) -> Line:
@@ -297,7 +341,7 @@ def main(argv: list[str]) -> int:
         sys.exit(f"error: {error}")
     print(
         f"checking {cfg.model['_target_']} ({parameters:,} parameters): one step per mode on random "
-        f"batches of {BATCH} images per rank, ddp and torch_ddp on {RANKS} CPU ranks",
+        f"batches of {BATCH} images per rank, ddp, torch_ddp and fsdp on {RANKS} CPU ranks",
         flush=True,
     )
     lines = run_checks(cfg)

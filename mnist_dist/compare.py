@@ -90,6 +90,8 @@ def compare(
                 "images_per_s_max": max(speeds[mode]),
                 "images_per_s_rounds": speeds[mode],
                 "spread": (max(speeds[mode]) - min(speeds[mode])) / statistics.median(speeds[mode]),
+                # parameters, gradients and optimizer state on the fullest rank: what sharding buys
+                "model_state_mib": max(result.get("model_state_mib") or [float("nan")]),
             }
         )
     early = max(rows, key=lambda row: row["first_step_loss_diff"])
@@ -136,15 +138,15 @@ def markdown(report: dict) -> str:
         machine.summary_line(report["machine"]),
         "",
         f"| mode | world size | test accuracy | final loss | Δloss at step {report['first_step']} | "
-        f"max Δloss | images/s (median of {rounds}) | min – max | spread |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"max Δloss | images/s (median of {rounds}) | min – max | spread | model state per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         lines.append(
             f"| {row['mode']} | {row['world_size']} | {100 * row['test_accuracy']:.2f} % | "
             f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | {row['max_loss_diff']:.1e} | "
             f"{row['images_per_s']:,.0f} | {row['images_per_s_min']:,.0f} – {row['images_per_s_max']:,.0f} | "
-            f"{row['spread']:.0%} |"
+            f"{row['spread']:.0%} | {row['model_state_mib']:.1f} |"
         )
     text = "\n".join(lines) + f"\n\nΔloss: training-loss difference from {reference}. {report['verdict']}\n"
     return text + "".join(f"\n{line}\n" for line in report["warnings"])

@@ -28,6 +28,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.custom_scalar import layout_pb2
+from torch.distributed.tensor import DTensor
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
@@ -215,3 +216,16 @@ class Scalars:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer state this rank holds, counted from their storages
+    (each once: our DDP's gradients are views of its buckets); in fsdp, the local shards."""
+    parameters = list(model.parameters())
+    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None)]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for tensor in tensors:
+        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

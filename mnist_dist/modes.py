@@ -18,7 +18,7 @@ Adding a mode is one entry here (``register``) and one YAML in ``conf/mode/`` th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from mnist_dist import fsdp
 from mnist_dist.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
 
@@ -76,6 +77,24 @@ class DDPMode(TorchDDPMode):
     message_size: int = 1_000_000
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
     compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
+
+
+class Dtype(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+@dataclass
+class FSDPMode:
+    name: str = "fsdp"
+    # Free each layer group's gathered parameters after its forward (true: least memory; backward
+    # gathers them again) or keep them until backward (false: one all-gather fewer per group and step).
+    reshard_after_forward: bool = True
+    # Class names whose instances are sharded as one group each (e.g. [ResidualBlock,Linear]);
+    # []: every direct child of the model that has parameters. See mnist_dist/fsdp.py.
+    group_classes: list[str] = field(default_factory=list)
+    param_dtype: Dtype = Dtype.float32  # bfloat16: forward and backward compute with bf16 copies
+    reduce_dtype: Dtype = Dtype.float32  # bfloat16: gradients travel and are averaged in bf16
 
 
 # wrap(model, mode config, device of this process, gpus) -> the model placed and wrapped
@@ -175,6 +194,10 @@ def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus:
     )
 
 
+def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:
+    return fsdp.shard(model, mode, device)
+
+
 _DP_ON_CPU = "in one process: DataParallel passes the whole batch through"
 register(Mode("single", SingleMode, _single))
 for _name in ("dp", "dp_block", "dp_functional"):
@@ -184,3 +207,4 @@ register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cud
 _GLOO = "in {world_size} processes with gloo"
 register(Mode("ddp", DDPMode, _ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
 register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
+register(Mode("fsdp", FSDPMode, _fsdp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, machine
+from mnist_dist import checkpoint, fsdp, machine
 from mnist_dist.metrics import all_reduce
-from mnist_dist.parallel import plain_state_dict
 
 if TYPE_CHECKING:
     from mnist_dist.train import Run
@@ -39,10 +38,13 @@ def finish(run: Run, wall_time_s: float) -> dict:
         )
         if topology.device_type == "cuda"
         else None,
+        # Parameters, gradients and optimizer state held after a step, counted from their storage: shards in fsdp.
+        "model_state_mib": per_rank(run.state_bytes / 2**20, topology.rank, topology.world_size),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
+    model_state = fsdp.model_state(run.model)  # a collective in fsdp
     if topology.rank == 0:
-        checkpoint.save(plain_state_dict(run.model), run.run_dir / "model.pt")
+        checkpoint.save(model_state, run.run_dir / "model.pt")
         checkpoint.save_json(results, run.run_dir / "results.json")
         run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
         hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}

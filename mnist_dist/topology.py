@@ -53,7 +53,7 @@ def from_env(cfg: Config) -> Topology:
     size = int(os.environ["WORLD_SIZE"])
     if MODES[cfg.mode.name].processes is not Processes.PER_DEVICE:
         raise ConfigError(
-            f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp or mode=torch_ddp"
+            f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
     device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

@@ -20,15 +20,15 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, fsdp
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
-from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
+from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce, state_bytes
 from mnist_dist.modes import wrap_model
-from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap
+from mnist_dist.parallel import compute_ends, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish, global_images_per_s
 from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
@@ -61,6 +61,7 @@ class Run:
     step: int = 0  # optimizer steps taken, over all epochs
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
+    state_bytes: int = 0  # the most parameter, gradient and optimizer bytes this rank held after a step
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
@@ -158,7 +159,7 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
 
 def restore(run: Run, resumed: dict) -> None:
     """Puts a checkpoint's optimizer, scheduler, loss scale, random state and position into ``run``."""
-    run.optimizer.load_state_dict(resumed["optimizer"])
+    fsdp.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.first_epoch, run.step = resumed["epoch"] + 1, resumed["step"]
@@ -182,6 +183,7 @@ def run_epoch(run: Run, epoch: int) -> None:
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
+            run.state_bytes = max(run.state_bytes, state_bytes(run.model, run.optimizer))  # gradients still held
             loss_value = check_finite(torch.stack(window_losses), run.step, rank).mean().item()
             log_window(run, loss_value)
             window_losses = []
@@ -231,13 +233,15 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         )
     run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
-    rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
+    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
+    rng = checkpoint.rng_states_of_all_ranks()
+    model_state, optimizer_state = fsdp.model_state(run.model), fsdp.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
         tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
         run.scalars.add(run.step, **tags)
         state = {
-            "model": plain_state_dict(run.model),
-            "optimizer": run.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": run.scheduler.state_dict(),
             "scaler": run.precision.scaler.state_dict(),
             "epoch": epoch,
@@ -265,7 +269,9 @@ def evaluate(
     model.eval()
     share = eval_shard(len(x), rank, world_size)
     loss_sum, correct = 0.0, 0
-    for start in range(share.start, share.stop, batch_size):
+    # As many forwards on every rank, the last ones empty where a share is shorter: fsdp gathers
+    # parameters in each, and a rank that stopped early would leave the others waiting.
+    for start in range(share.start, share.start + -(-len(x) // world_size), batch_size):
         stop = min(start + batch_size, share.stop)
         logits = model(x[start:stop])
         labels = y[start:stop].to(logits.device)

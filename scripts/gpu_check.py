@@ -3,7 +3,7 @@
     python scripts/gpu_check.py                 # on a machine with CUDA
     python scripts/gpu_check.py --device cpu    # the same checks on the CPU (a smoke test of this script)
 
-Runs single, dp and its variants, split, ddp and torch_ddp for a few hundred steps with dropout off
+Runs single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps with dropout off
 (replicas would draw different masks), checks each exits 0, that dp, functional dp and block dp
 follow single's loss over the first steps, and prints one table: mode, images/s, final loss.
 Exits non-zero if any check fails. Needs nothing but the project installed.

@@ -15,6 +15,7 @@ def run(speed, comm=0.0):
     return {
         "images_per_s": speed,
         "peak_rss_mib": [100.0, 120.0],
+        "model_state_mib": [9.5, 9.0],
         "step_time_ms": {"data": 0.0, "forward_backward": 9.0, "comm_wait": comm, "optimizer": 1.0},
     }
 
@@ -32,7 +33,14 @@ def test_report_medians_targets_and_exposed_communication():
         "torch_ddp": [run(1000.0), run(1000.0), run(1000.0)],
     }
     result = report(samples)
-    assert result["cases"]["single"] == {"median": 1100.0, "min": 1000.0, "max": 1200.0, "n": 3, "peak_rss_mib": 120.0}
+    assert result["cases"]["single"] == {
+        "median": 1100.0,
+        "min": 1000.0,
+        "max": 1200.0,
+        "n": 3,
+        "peak_rss_mib": 120.0,
+        "model_state_mib": 9.5,
+    }
     rows = {row["name"]: row for row in result["comparisons"]}
     assert set(rows) == {"single / classic", "ddp / torch_ddp", "ddp: exposed communication"}
     assert rows["single / classic"]["median"] == pytest.approx(1.1) and rows["single / classic"]["met"] is False
@@ -46,6 +54,7 @@ def test_report_medians_targets_and_exposed_communication():
     assert table.startswith(
         "machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile; torch AVX2 kernels), 2 cores, 2 torch"
     )
+    assert "| single | 1,100 | 1,000 – 1,200 | 120 | 9.5 |" in table  # model state: the fullest rank's
     assert "| single / classic | 1.10 | 1.00 – 1.20 | ≥ 1.15 | **no** |" in table
     assert "| ddp: exposed communication | 4.8% | 2.0% – 9.1% | ≤ 5% | yes |" in table
 

@@ -55,6 +55,7 @@ def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
     # The unused layer is let through for the comparison (find_unused_parameters): the numbers agree.
     assert checks["ddp vs torch ddp"].startswith("OK    ddp vs torch ddp   gradients agree within")
     assert checks["checkpoint"].startswith("OK") and checks["modes"].startswith("OK")
+    assert checks["fsdp"].startswith("OK    fsdp               gradients agree with torch DDP's within")
     assert lines[-1] == "1 FAIL, 2 WARN: fix the FAILs before training"
 
 
@@ -69,6 +70,7 @@ def test_the_convnet_passes_every_check(capsys):
         "batchnorm",
         "determinism",
         "ddp vs torch ddp",
+        "fsdp",
         "rank buffers",
         "checkpoint",
     ]

@@ -92,7 +92,7 @@ def test_unknown_key_fails_while_composing():
         (
             "mode=foo",
             "error: mode=foo is not an option; choose one of "
-            "ddp, dp, dp_block, dp_functional, single, split, torch_ddp",
+            "ddp, dp, dp_block, dp_functional, fsdp, single, split, torch_ddp",
         ),
     ],
 )
