@@ -85,10 +85,10 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
     file is written: a read-only root works). Otherwise a lock makes a second launch sharing `root`
     wait, then find the files ready. A file prepare did not write is never deleted or replaced.
     """
-    cls = dataset_class(name)
     raw = raw_dir(name, root)
-    counts = _valid_counts(cls, raw)
+    counts = _valid_counts(raw)
     if counts is None:
+        cls = dataset_class(name)
         raw.mkdir(parents=True, exist_ok=True)
         with FileLock(raw.parent / ".prepare.lock"):
             counts = {gz: _get_file(name, cls, raw, gz, md5, mirrors) for gz, md5 in cls.resources}
@@ -108,10 +108,11 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
     return raw
 
 
-def _valid_counts(cls: type, raw: Path) -> dict[str, int] | None:
+def _valid_counts(raw: Path) -> dict[str, int] | None:
     """Item counts by .gz name when all four decompressed files are in place and valid, else None."""
+    names = [f"{prefix}-{kind}-ubyte.gz" for prefix, _ in _SPLITS for kind in ("images-idx3", "labels-idx1")]
     try:
-        return {gz: _check_idx(raw / gz.removesuffix(".gz"), "-images-" in gz) for gz, _ in cls.resources}
+        return {gz: _check_idx(raw / gz.removesuffix(".gz"), "-images-" in gz) for gz in names}
     except (DataError, OSError):
         return None
 

@@ -16,6 +16,7 @@ import mnist_dist
 from mnist_dist.config import validate
 from mnist_dist.launch import launch
 from mnist_dist.modes import MODES, Mode, Processes, register
+from mnist_dist.synthetic import write_idx
 
 PACKAGE = Path(mnist_dist.__file__).parent
 LONGEST = 60  # lines per function, decorators and docstring included
@@ -34,10 +35,14 @@ def test_the_parallel_library_imports_nothing_of_the_app():
     ]
 
 
-def test_a_worker_imports_neither_torchvision_nor_dynamo():
-    """torchvision imports torch._dynamo (seconds of CPU per process); only the parent's prepare needs it."""
-    code = "import sys, mnist_dist.launch; print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}))"
-    code += "; print('torch._dynamo' in sys.modules)"
+def test_neither_a_worker_nor_a_launch_on_prepared_data_imports_torchvision(tmp_path):
+    """torchvision imports torch._dynamo (seconds of CPU per process); only fetching data needs it."""
+    write_idx(tmp_path / "MNIST" / "raw")
+    code = (
+        "import sys, mnist_dist.launch, mnist_dist.train; from mnist_dist import data; "
+        f"data.prepare('mnist', {str(tmp_path)!r}, []); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}), 'torch._dynamo' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["[]", "False"]
 
