@@ -29,6 +29,7 @@ def test_warnings_name_the_noisy_modes_and_a_high_load():
     ]
 
 
+@pytest.mark.slow
 def test_rounds_alternate_and_the_table_has_medians_spreads_and_the_load_warning(
     tiny_root, tmp_path, monkeypatch, capsys
 ):

@@ -6,6 +6,8 @@ import pty
 import subprocess
 import sys
 
+import pytest
+
 from mnist_dist.console import Progress, config_line
 
 RUN = [sys.executable, "-m", "mnist_dist", "epochs=1", "log_every=5", "data.mirrors=[]"]
@@ -51,12 +53,14 @@ def run_under_pty(command: list[str]) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_a_terminal_shows_the_bar_on_rank_0(tiny_root, tmp_path):
     out = run_under_pty([*RUN, f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}"])
     assert "epoch 1/1: 100%|" in out and "10/10 [" in out
     assert "loss=" in out and "img_s=" in out
 
 
+@pytest.mark.slow
 def test_a_pipe_gets_progress_lines_in_the_console_and_the_log(tiny_root, tmp_path):
     result = subprocess.run(
         [*RUN, "mode=ddp", "gpus=2", f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}"],

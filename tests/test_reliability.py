@@ -267,6 +267,7 @@ def _is_loopback(address: str) -> bool:
     return host == "0" * 31 + "1" or host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
 
 
+@pytest.mark.slow
 def test_a_spawned_job_listens_on_loopback_only(tmp_path):
     addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
     assert addresses, "found no listening socket at all: the check would prove nothing"
@@ -281,6 +282,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be read
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_launcher(tiny_root, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -376,6 +378,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_two_launches_in_the_same_second_get_two_directories(tiny_root, tmp_path):
     assert "${unique_dir:outputs/${now:" in Path("conf/config.yaml").read_text()  # the default uses it
     # The default's name with the time fixed, so that both launches ask for the same directory.
@@ -398,6 +401,7 @@ def test_two_launches_in_the_same_second_get_two_directories(tiny_root, tmp_path
         assert len((tmp_path / "outputs" / name / "rank_0.log").read_text().split("results: ")) == 2
 
 
+@pytest.mark.slow
 def test_a_directory_a_live_run_writes_to_is_refused(tiny_root, tmp_path):
     first = start(
         tmp_path,
@@ -439,6 +443,7 @@ def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path):
     assert "Traceback" in (tmp_path / "run" / "rank_0.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_ddp_rank_prints_no_traceback(tiny_root, tmp_path):
     code, err = finish(
         start(
@@ -484,6 +489,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, mode):
     run = small_disk / "run"
@@ -575,6 +581,7 @@ def _node(node: int, cwd: Path, port: int, *overrides: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_root, tmp_path):
     port = _free_port()
     settings = [f"data.root={tiny_root}", *TINY, "epochs=1"]
@@ -590,6 +597,7 @@ def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_ro
     assert "rank_1.log" in {p.name for p in run1.iterdir()}
 
 
+@pytest.mark.slow
 def test_a_torchrun_worker_dies_with_its_agent(tiny_root, tmp_path):
     port = _free_port()
     pids = [tmp_path / f"pids{n}" for n in range(2)]

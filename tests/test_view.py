@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist.metrics import LAYOUT, tb_dir
@@ -21,6 +22,7 @@ def tags(path: Path) -> tuple[set[str], set[str]]:
     return set(events.Tags()["scalars"]), set(events.Tags()["tensors"])
 
 
+@pytest.mark.slow
 def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     sweep = tmp_path / "sweep"
     result = subprocess.run(
