@@ -75,6 +75,9 @@ class Config:
     device: Device = Device.auto
     epochs: int = 14
     batch_size: int = 64  # GLOBAL batch per optimizer step, in every mode, so curves compare
+    # Micro-batches per optimizer step: each rank's share of batch_size is split into this many, and
+    # ddp modes all-reduce only after the last (no_sync before), so memory per pass drops by this factor.
+    accumulate: int = 1
     test_batch_size: int = 1000
     seed: int = 1
     log_every: int = 10  # steps between loss/throughput scalars
@@ -92,7 +95,7 @@ class Config:
 
 def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every"):
+    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     lr = cfg.optim.get("lr", 1.0)
@@ -105,11 +108,12 @@ def validate(cfg: Config) -> None:
     most = MODES[cfg.mode.name].max_gpus
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
-    ranks = world_size(cfg)
-    if cfg.batch_size % ranks:
+    ranks, parts = world_size(cfg), world_size(cfg) * cfg.accumulate
+    if cfg.batch_size % parts:
+        micro = f" x accumulate={cfg.accumulate}" if cfg.accumulate > 1 else ""
         raise ConfigError(
-            f"batch_size={cfg.batch_size} (global) is not divisible by {ranks} ranks; "
-            f"use a multiple of {ranks}, e.g. batch_size={cfg.batch_size // ranks * ranks or ranks}"
+            f"batch_size={cfg.batch_size} (global) is not divisible by {ranks} ranks{micro}; "
+            f"use a multiple of {parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
         )
 
 

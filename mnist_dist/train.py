@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def run_epoch(run: Run, epoch: int) -> None:
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark)
+        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.accumulate)
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
@@ -198,6 +199,7 @@ def train_step(
     y: torch.Tensor,
     precision: Precision,
     mark: Callable[[str], None],
+    accumulate: int = 1,
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
@@ -206,16 +208,34 @@ def train_step(
     communication backward did not hide.
     """
     optimizer.zero_grad(set_to_none=True)
-    with precision.autocast():
-        logits = model(x)
-        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    with compute_ends(model, lambda: mark("forward_backward")):
-        precision.scaler.scale(loss).backward()
+    loss = accumulate_gradients(model, x, y, precision, accumulate, lambda: mark("forward_backward"))
     mark("comm_wait")
     precision.scaler.step(optimizer)
     precision.scaler.update()
     mark("optimizer")
     return loss
+
+
+def accumulate_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: Precision, parts: int, compute_done: Callable
+) -> torch.Tensor:
+    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
+
+    Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
+    share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
+    both DDPs decide at forward whether its backward syncs (pytorch/pytorch#43201).
+    """
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+        last = i == parts - 1
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with precision.autocast():
+                logits = model(xs)
+                loss = F.cross_entropy(logits, ys.to(logits.device)) / parts  # split mode ends on another device
+            with compute_ends(model, compute_done) if last else nullcontext():
+                precision.scaler.scale(loss).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
 
 
 def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
