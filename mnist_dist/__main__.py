@@ -65,7 +65,8 @@ def _directories_written(config: Config, run_dir: Path) -> list[Path]:
     # Under torchrun only rank 0 had Hydra create a directory; the others' run_dir is the cwd.
     if os.environ.get("RANK", "0") != "0":
         return []
-    return [checkpoint.locate(config.resume).parent] if config.resume else [run_dir]
+    explicit = config.resume not in ("", "auto")
+    return [checkpoint.locate(config.resume).parent] if explicit else [run_dir]
 
 
 def _remove_if_unused(run_dir: Path) -> None:

@@ -89,18 +89,24 @@ class Config:
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
     # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
     deterministic: bool = True
-    resume: str = ""  # a checkpoint.pt, or a run directory holding one: continue that run, there
+    # a checkpoint.pt, or a run directory holding one: continue that run, there. auto: continue this
+    # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
+    resume: str = ""
+    checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
+    keep_checkpoints: int = 2  # checkpoint_<step>.pt files kept; checkpoint.pt is the newest
     resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
 
 def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"):
+    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ConfigError(f"optim.lr={float(lr)} must be a finite positive number")
+    if cfg.checkpoint_every_steps < 0:
+        raise ConfigError(f"checkpoint_every_steps={cfg.checkpoint_every_steps} must be 0 (epoch ends only) or more")
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
     if getattr(cfg.mode, "message_size", 1) <= 0:

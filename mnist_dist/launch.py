@@ -43,11 +43,10 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     ``overrides``: the command line's, said in one console line once every check has passed (a bad
     setting stays a one-line error); the full config goes to config.yaml and rank 0's log.
     """
-    if cfg.resume:  # checked here, in one process, before anything is overwritten
-        path = checkpoint.locate(cfg.resume)
-        checkpoint.check_resumable(checkpoint.load(path), cfg)
-        cfg.resume, run_dir = str(path), path.parent  # the run goes on in its own directory
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    external = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.resume and not (external and cfg.resume == "auto"):  # under torchrun: once the run_dir is known
+        run_dir = _resume(cfg, run_dir)
+    if external:
         return _as_torchrun_worker(cfg, run_dir, overrides)
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
@@ -77,6 +76,8 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
+    if cfg.resume == "auto":
+        run_dir = _resume(cfg, run_dir)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
@@ -85,6 +86,23 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)
+
+
+def _resume(cfg: Config, run_dir: Path) -> Path:
+    """Checks what ``resume=`` names before anything is overwritten; returns the directory the run goes on in.
+
+    ``auto`` resumes ``run_dir``'s checkpoint if it has one, else starts fresh: what a restarted torchrun
+    job or a requeued SLURM job, relaunched with the same command, needs.
+    """
+    if cfg.resume == "auto":
+        found = run_dir / "checkpoint.pt"
+        cfg.resume = str(found) if found.is_file() else ""
+    if not cfg.resume:
+        return run_dir
+    path = checkpoint.locate(cfg.resume)
+    checkpoint.check_resumable(checkpoint.load(path), cfg)
+    cfg.resume = str(path)
+    return path.parent  # the run goes on in its own directory
 
 
 def _check_port(port: int) -> None:

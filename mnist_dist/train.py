@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ class Run:
     timer: StepTimer
     progress: Progress | None = None  # set once the run knows where it starts
     first_epoch: int = 1
+    skip: int = 0  # steps of first_epoch a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
@@ -162,7 +164,7 @@ def restore(run: Run, resumed: dict) -> None:
     run.optimizer.load_state_dict(resumed["optimizer"])
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-    run.first_epoch, run.step = resumed["epoch"] + 1, resumed["step"]
+    run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
     checkpoint.restore_rng(resumed["rng"], run.topology.rank)
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
 
@@ -174,7 +176,9 @@ def run_epoch(run: Run, epoch: int) -> None:
     order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
     window_losses = []  # kept on the device: no sync per step
     run.progress.set_epoch(epoch, cfg.epochs)
-    for indices in rank_batches(order, cfg.batch_size, rank, run.topology.world_size):
+    batches = rank_batches(order, cfg.batch_size, rank, run.topology.world_size)
+    done, run.skip = run.skip, 0  # after a mid-epoch checkpoint: go on from its position
+    for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
@@ -187,9 +191,17 @@ def run_epoch(run: Run, epoch: int) -> None:
             log_window(run, loss_value)
             window_losses = []
         run.progress.step()
+        between_steps(run, epoch, position)
     if window_losses:  # the epoch's last steps, short of a full window
         check_finite(torch.stack(window_losses), run.step, rank)
     run.throughput.pause()
+
+
+def between_steps(run: Run, epoch: int, position: int) -> None:
+    """After step ``position`` of ``epoch``, outside the step: the mid-epoch checkpoint."""
+    every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
+    if every and run.step % every == 0 and position < last:  # at the last, the epoch's own follows
+        save_checkpoint(run, epoch - 1, position)
 
 
 def train_step(
@@ -251,23 +263,10 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         )
     run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
-    rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
     if run.topology.rank == 0:
         tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
         run.scalars.add(run.step, **tags)
-        state = {
-            "model": plain_state_dict(run.model),
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.precision.scaler.state_dict(),
-            "epoch": epoch,
-            "step": run.step,
-            "rng": rng,
-            "world_size": run.topology.world_size,
-            "config": run.config_yaml,
-            "format": checkpoint.FORMAT,
-        }
-        checkpoint.save(state, run.run_dir / "checkpoint.pt")
+    save_checkpoint(run, epoch, 0)
     log.info(
         "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
         epoch,
@@ -275,6 +274,27 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         100 * run.test_accuracy,
         epoch_seconds,
     )
+
+
+def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
+    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next
+    (a collective: every rank's random state is gathered)."""
+    rng = checkpoint.rng_states_of_all_ranks()
+    if run.topology.rank == 0:
+        state = {
+            "model": plain_state_dict(run.model),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.precision.scaler.state_dict(),
+            "epoch": epoch,
+            "epoch_step": epoch_step,
+            "step": run.step,
+            "rng": rng,
+            "world_size": run.topology.world_size,
+            "config": run.config_yaml,
+            "format": checkpoint.FORMAT,
+        }
+        checkpoint.save_kept(state, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
 
 
 @torch.no_grad()

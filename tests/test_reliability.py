@@ -372,7 +372,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
         checkpoint.load(tmp_path / "checkpoint.pt")
     assert str(error.value) == (
         f"resume={tmp_path}/checkpoint.pt: checkpoint format 99, but this version of mnist_dist reads formats 1 "
-        "to 2; resume it with the version that wrote it"
+        "to 3; resume it with the version that wrote it"
     )
 
 
