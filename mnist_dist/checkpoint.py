@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
-from mnist_dist.modes import world_size
 
 FORMAT = 3
 # What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
@@ -139,15 +138,15 @@ def load(path: Path) -> dict:
     return state
 
 
-def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses to continue a run with a different model, global batch or world size, unless told to,
-    and anything the run could not restore: checked before anything is written."""
+def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
+    """Refuses to continue a run with a different model, global batch or world size (``ranks``), unless
+    told to, and anything the run could not restore: checked before anything is written."""
     try:
         saved = OmegaConf.create(state["config"])
         compared = [
             ("model", OmegaConf.to_container(saved.model), cfg.model),
             ("batch_size", saved.batch_size, cfg.batch_size),
-            ("world_size", state["world_size"], world_size(cfg)),
+            ("world_size", state["world_size"], ranks),
             ("data", saved.data.name, cfg.data.name),
         ]
     except Exception:

@@ -26,7 +26,7 @@ from mnist_dist import checkpoint, guards, rundir
 from mnist_dist.config import Config, ConfigError, data_root
 from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
-from mnist_dist.modes import MODES, Processes
+from mnist_dist.modes import MODES, Processes, world_size
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
@@ -43,11 +43,9 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     ``overrides``: the command line's, said in one console line once every check has passed (a bad
     setting stays a one-line error); the full config goes to config.yaml and rank 0's log.
     """
-    external = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if cfg.resume and not (external and cfg.resume == "auto"):  # under torchrun: once the run_dir is known
-        run_dir = _resume(cfg, run_dir)
-    if external:
-        return _as_torchrun_worker(cfg, run_dir, overrides)
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size
+    run_dir = _resume(cfg, run_dir, world_size(cfg))
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
     guards.check_cpu_capacity(topology)
@@ -76,8 +74,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
-    if cfg.resume == "auto":
-        run_dir = _resume(cfg, run_dir)
+    run_dir = _resume(cfg, run_dir, topology.world_size)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
@@ -88,7 +85,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     return train(cfg, run_dir, data_dir, topology)
 
 
-def _resume(cfg: Config, run_dir: Path) -> Path:
+def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
     """Checks what ``resume=`` names before anything is overwritten; returns the directory the run goes on in.
 
     ``auto`` resumes ``run_dir``'s checkpoint if it has one, else starts fresh: what a restarted torchrun
@@ -100,7 +97,7 @@ def _resume(cfg: Config, run_dir: Path) -> Path:
     if not cfg.resume:
         return run_dir
     path = checkpoint.locate(cfg.resume)
-    checkpoint.check_resumable(checkpoint.load(path), cfg)
+    checkpoint.check_resumable(checkpoint.load(path), cfg, ranks)
     cfg.resume = str(path)
     return path.parent  # the run goes on in its own directory
 

@@ -115,8 +115,20 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> 
         # The rendezvous address is in the environment: spawn or torchrun put it there.
         dist.init_process_group(
             topology.backend,
+            store=_store_of_this_attempt(timedelta(seconds=timeout_s)),
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
     return topology.device
+
+
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
+    # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
+    # So each attempt gets its own keys. None: env:// as usual.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mnist_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -13,7 +13,8 @@ from mnist_dist.model import ConvNet
 class FailingConvNet(ConvNet):
     """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
     by SIGKILL, or with ``nan`` return NaN. ``step_seconds`` slows every step down; ``pid_dir``
-    records the process id, so that a test can check no worker outlives the launcher."""
+    records the process id, so that a test can check no worker outlives the launcher. ``attempt``
+    (under torchrun): misbehave only in that attempt, 0 the first, so that a restarted job goes on."""
 
     def __init__(
         self,
@@ -23,11 +24,14 @@ class FailingConvNet(ConvNet):
         nan: bool = False,
         step_seconds: float = 0.0,
         pid_dir: str = "",
+        attempt: int = -1,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step, self.kill, self.nan = fail_rank, fail_step, kill, nan
         self.step_seconds, self.calls = step_seconds, 0
+        if attempt >= 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) != attempt:
+            self.fail_rank = -1
         if pid_dir:
             Path(pid_dir, str(os.getpid())).touch()
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FASHION
 
 from mnist_dist.metrics import tb_dir
@@ -65,6 +66,24 @@ def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
     assert result.returncode == 0, result.stderr
     assert_complete_run(tmp_path / "run", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_resume_auto_goes_on_exactly(tiny_root, tmp_path):
+    # 2 epochs of 20 steps, a checkpoint every 5; rank 1 dies by SIGKILL at step 13 of the first attempt,
+    # so the restarted job resumes mid-epoch from step 10.
+    same = [f"data.root={tiny_root}", *TINY, "epochs=2", "checkpoint_every_steps=5", "resume=auto"]
+    same += ["model._target_=failing_model.FailingConvNet", "+model.fail_step=13", "+model.kill=true"]
+    torchrun = (sys.executable, "-m", "torch.distributed.run")  # the torchrun command, without its script
+    launcher = (*torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "mnist_dist")
+    restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.attempt=0", launcher=launcher)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
+    whole = cli(tmp_path / "whole", "mode=ddp", "gpus=2", *same, "+model.attempt=1")  # never fails
+    assert whole.returncode == 0, whole.stderr
+    weights = [torch.load(tmp_path / run / "model.pt") for run in ("restarted", "whole")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "weights differ"
 
 
 @pytest.mark.slow
