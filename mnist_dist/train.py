@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint
+from mnist_dist import checkpoint, preemption
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
@@ -198,10 +198,17 @@ def run_epoch(run: Run, epoch: int) -> None:
 
 
 def between_steps(run: Run, epoch: int, position: int) -> None:
-    """After step ``position`` of ``epoch``, outside the step: the mid-epoch checkpoint."""
+    """After step ``position`` of ``epoch``, outside the step: the mid-epoch checkpoint, and a stop
+    that a scheduler asked for (mnist_dist/preemption.py)."""
     every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
-    if every and run.step % every == 0 and position < last:  # at the last, the epoch's own follows
+    stop = preemption.requested(run.step, run.cfg.log_every)
+    if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
         save_checkpoint(run, epoch - 1, position)
+    if stop:
+        raise preemption.Stopped(
+            f"stopped by {stop} after step {run.step}; the run goes on from {run.run_dir}/checkpoint.pt when "
+            "started again with resume=auto"
+        )
 
 
 def train_step(

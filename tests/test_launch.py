@@ -1,7 +1,9 @@
 """The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +13,9 @@ import pytest
 import torch
 from helpers import FASHION
 
+from mnist_dist import checkpoint
 from mnist_dist.metrics import tb_dir
+from mnist_dist.preemption import REQUEUE
 
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
@@ -68,22 +72,45 @@ def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
 
 
+def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = []
+    for rank in range(2):
+        slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
+        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
+        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
+        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
+    return [task.wait(timeout=300) for task in tasks]
+
+
 @pytest.mark.slow
-def test_torchrun_restarts_a_killed_worker_and_resume_auto_goes_on_exactly(tiny_root, tmp_path):
-    # 2 epochs of 20 steps, a checkpoint every 5; rank 1 dies by SIGKILL at step 13 of the first attempt,
-    # so the restarted job resumes mid-epoch from step 10.
-    same = [f"data.root={tiny_root}", *TINY, "epochs=2", "checkpoint_every_steps=5", "resume=auto"]
-    same += ["model._target_=failing_model.FailingConvNet", "+model.fail_step=13", "+model.kill=true"]
+def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_path):
+    # One reference, two interruptions, each mid-epoch and resumed by resume=auto. 2 epochs of 20 steps,
+    # a checkpoint every 5; rank 1 misbehaves at step 13 of the first attempt only. Dropout is on, so
+    # every rank's random state must be restored too.
+    same = [f"data.root={tiny_root}", *TINY, "epochs=2", "checkpoint_every_steps=5", "log_every=4", "resume=auto"]
+    same += ["model._target_=failing_model.FailingConvNet", "+model.fail_step=13", "+model.attempt=0"]
+    whole = cli(tmp_path / "whole", "mode=ddp", "gpus=2", *same, "+model.fail_rank=-1")
+    assert whole.returncode == 0, whole.stderr
+    # torchrun: SIGKILL; the agent restarts both workers, which go on from the checkpoint of step 10.
     torchrun = (sys.executable, "-m", "torch.distributed.run")  # the torchrun command, without its script
     launcher = (*torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "mnist_dist")
-    restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.attempt=0", launcher=launcher)
+    restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.kill=true", launcher=launcher)
     assert restarted.returncode == 0, restarted.stderr
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
-    whole = cli(tmp_path / "whole", "mode=ddp", "gpus=2", *same, "+model.attempt=1")  # never fails
-    assert whole.returncode == 0, whole.stderr
-    weights = [torch.load(tmp_path / run / "model.pt") for run in ("restarted", "whole")]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "weights differ"
+    # srun: SIGUSR1 to rank 1 alone; both ranks stop after step 16 (the next check), with a checkpoint.
+    requeued = tmp_path / "requeued"
+    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
+    state = checkpoint.load(requeued / "checkpoint.pt")
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 16, 16)
+    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
+    weights = [torch.load(tmp_path / run / "model.pt") for run in ("whole", "restarted", "requeued")]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys()
+        assert all(torch.equal(other[k], weights[0][k]) for k in other), "weights differ"
 
 
 @pytest.mark.slow

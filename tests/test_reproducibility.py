@@ -78,7 +78,7 @@ def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["single", "ddp"])
+@pytest.mark.parametrize("mode", ["single"])  # ddp: test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run
 def test_mid_epoch_resume_equals_uninterrupted(make_config, tmp_path, mode):
     # 2 epochs of 10 steps, a checkpoint every 3 steps: saved at 3, 6, 9, 10 (epoch end), 12, 15, 18, 20;
     # the 3 kept are 20, 18 and 15. resume=auto starts the first run fresh and continues the second.
