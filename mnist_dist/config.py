@@ -94,6 +94,7 @@ class Config:
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
     keep_checkpoints: int = 2  # checkpoint_<step>.pt files kept; checkpoint.pt is the newest
+    profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
     resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
 

@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint, preemption
+from mnist_dist import checkpoint, preemption, profiling
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
@@ -59,6 +59,7 @@ class Run:
     throughput: Throughput
     timer: StepTimer
     progress: Progress | None = None  # set once the run knows where it starts
+    profiler: torch.profiler.profile | None = None  # profile=true
     first_epoch: int = 1
     skip: int = 0  # steps of first_epoch a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
@@ -80,6 +81,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
             epoch_started = time.perf_counter()
             run_epoch(run, epoch)
             evaluate_epoch(run, epoch, epoch_started)
+        if run.profiler:
+            run.profiler.stop()
         run.progress.close()
         return finish(run, time.perf_counter() - started)
     except Exception:
@@ -132,6 +135,8 @@ def build(
     )
     if resumed:
         restore(run, resumed)
+    if cfg.profile:
+        run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps)
     steps = steps_per_epoch(len(train_x), cfg.batch_size)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
@@ -198,8 +203,10 @@ def run_epoch(run: Run, epoch: int) -> None:
 
 
 def between_steps(run: Run, epoch: int, position: int) -> None:
-    """After step ``position`` of ``epoch``, outside the step: the mid-epoch checkpoint, and a stop
-    that a scheduler asked for (mnist_dist/preemption.py)."""
+    """After step ``position`` of ``epoch``, outside the step: the profiler's step, the mid-epoch
+    checkpoint, and a stop that a scheduler asked for (mnist_dist/preemption.py)."""
+    if run.profiler:
+        run.profiler.step()
     every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
     stop = preemption.requested(run.step, run.cfg.log_every)
     if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
