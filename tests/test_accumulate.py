@@ -65,6 +65,7 @@ def test_accumulation_equals_one_big_batch_and_torch_ddp(tmp_path):
         torch.testing.assert_close(value, ours_1[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_accumulate_in_single_mode_equals_one_pass(make_config, tmp_path):
     weights = {}
     for k in (1, 2):
