@@ -24,11 +24,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from mnist_dist import checkpoint, rundir
+from mnist_dist import checkpoint, preemption, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.errors import describe_os_error, last_resort, rank_log
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.topology import launched_rank
 from mnist_dist.train import TrainingDiverged
 
 
@@ -49,10 +50,13 @@ def main(cfg: DictConfig) -> None:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe_os_error(error)}")
+    except preemption.Stopped as stop:  # a scheduler's warning: the requeued job goes on with resume=auto
+        sys.stderr.write(f"{stop}\n")
+        sys.exit(preemption.REQUEUE)
     except KeyboardInterrupt:
         sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
-        sys.exit(last_resort(error, rank_log(run_dir / f"rank_{os.environ.get('RANK', '0')}.log")))
+        sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
     finally:
         _remove_if_unused(run_dir)
 
@@ -62,10 +66,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def _directories_written(config: Config, run_dir: Path) -> list[Path]:
-    # Under torchrun only rank 0 had Hydra create a directory; the others' run_dir is the cwd.
-    if os.environ.get("RANK", "0") != "0":
+    # Under torchrun or srun only rank 0 had Hydra create a directory; the others' run_dir is the cwd.
+    if launched_rank():
         return []
-    return [checkpoint.locate(config.resume).parent] if config.resume else [run_dir]
+    explicit = config.resume not in ("", "auto")
+    return [checkpoint.locate(config.resume).parent] if explicit else [run_dir]
 
 
 def _remove_if_unused(run_dir: Path) -> None:
@@ -76,10 +81,10 @@ def _remove_if_unused(run_dir: Path) -> None:
 
 
 def _torchrun_rank_overrides() -> list[str]:
-    # Under torchrun every rank runs this file. Only rank 0 may have Hydra create a run directory
+    # Under torchrun or srun every rank runs this file. Only rank 0 may have Hydra create a run directory
     # (a second one, named a second later, would split the run: lightning-hydra-template#393);
     # the others learn rank 0's directory through the process group.
-    if "LOCAL_RANK" in os.environ and os.environ.get("RANK", "0") != "0":
+    if launched_rank():
         return ["hydra.output_subdir=null", "hydra.run.dir=."]
     return []
 

@@ -37,6 +37,8 @@ CASES = {
     "classic": None,  # DataLoader over the torchvision dataset, per-sample ToTensor + Normalize
     "ceiling": None,  # forward + backward + step on one resident batch: nothing else to do
     "single_bf16": ["amp=bf16"],
+    "single_ckpt100": ["checkpoint_every_steps=100"],  # one mid-epoch checkpoint in the timed steps
+    "single_profile": ["profile=true"],  # 5 profiled steps and the trace export in the timed steps
     "ddp": ["mode=ddp"],  # default message_size: 3 buckets for this convnet
     "torch_ddp": ["mode=torch_ddp"],
     "ddp_no_overlap": ["mode=ddp", "mode.overlap=false"],
@@ -45,7 +47,7 @@ CASES = {
     "fsdp": ["mode=fsdp"],  # each rank holds 1/gpus of the model and gathers each layer group as it runs
 }
 GROUPS = [
-    ["single", "classic", "ceiling", "single_bf16"],
+    ["single", "classic", "ceiling", "single_bf16", "single_ckpt100", "single_profile"],
     ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param", "fsdp"],
 ]
 # (case, baseline, target ratio or None, what it answers)
@@ -58,6 +60,8 @@ COMPARISONS = [
     ("ddp", "ddp_1_bucket", None, "3 buckets (default) vs one bucket"),
     ("fsdp", "ddp", None, "sharded parameters, gradients and optimizer state vs replicas, 2 ranks"),
     ("single_bf16", "single", 1.5, "bf16 autocast vs fp32"),
+    ("single_ckpt100", "single", None, "checkpoint_every_steps=100 vs epoch ends only"),
+    ("single_profile", "single", None, "profile=true vs off"),
 ]
 EXPOSED_COMM_TARGET = 0.05  # ddp: share of the step spent waiting for the all-reduce after backward
 

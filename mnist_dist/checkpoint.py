@@ -7,7 +7,9 @@ a crafted file cannot run code. Its ``format`` key says which layout it has:
 
 - no key (format 1, before this key existed): read; a missing ``scaler`` (checkpoints written before
   the fp16 loss scale was kept) counts as none, which is refused only with ``amp=fp16``.
-- 2: the current layout.
+- 2: adds ``format`` and ``scaler``; read with ``epoch_step`` 0 (written at an epoch's end).
+- 3: the current layout: ``epoch_step`` is how many steps of epoch ``epoch + 1`` are done (0 at an
+  epoch's end), so a mid-epoch checkpoint (``checkpoint_every_steps``) resumes at its position.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ from omegaconf import OmegaConf
 
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
-from mnist_dist.modes import world_size
 
-FORMAT = 2
+FORMAT = 3
 # What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
 _ENTRIES = {
     "model": dict,
     "optimizer": dict,
     "scheduler": dict,
     "scaler": dict,
-    "epoch": int,
+    "epoch": int,  # epochs completed
+    "epoch_step": int,  # steps done in the next epoch
     "step": int,
     "rng": list,
     "world_size": int,
@@ -74,6 +76,22 @@ def save(obj: Any, path: Path) -> None:
     _atomic_write(path, buffer.getbuffer())
 
 
+def save_kept(state: dict, path: Path, keep: int) -> None:
+    """``save`` that keeps the ``keep - 1`` previous checkpoints as ``<name>.1.pt`` (newest), ``<name>.2.pt``...
+
+    ``path`` is never missing nor partial: the previous file gets its new name as a hard link before the
+    new one atomically replaces it. The older ones are for when the newest is unusable (a diverged
+    step saved, a disk fault)."""
+    older = [path.with_suffix(f".{n}.pt") for n in range(1, keep)]
+    if older and path.exists():
+        for newer, elder in reversed(list(zip(older, older[1:]))):
+            if newer.exists():
+                os.replace(newer, elder)
+        older[0].unlink(missing_ok=True)
+        os.link(path, older[0])
+    save(state, path)
+
+
 def save_json(obj: dict, path: Path) -> None:
     _atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
 
@@ -104,12 +122,13 @@ def load(path: Path) -> dict:
             f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)"
         )
     version = state.pop("format", 1)
-    if version not in (1, FORMAT):
+    if version not in (1, 2, FORMAT):
         raise ConfigError(
             f"resume={path}: checkpoint format {version!r}, but this version of mnist_dist reads formats 1 to "
             f"{FORMAT}; resume it with the version that wrote it"
         )
     state.setdefault("scaler", {})  # format 1 before the fp16 loss scale was kept: none
+    state.setdefault("epoch_step", 0)  # formats 1 and 2 checkpointed at epoch ends only
     wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
     if wrong:
         raise ConfigError(
@@ -119,15 +138,15 @@ def load(path: Path) -> dict:
     return state
 
 
-def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses to continue a run with a different model, global batch or world size, unless told to,
-    and anything the run could not restore: checked before anything is written."""
+def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
+    """Refuses to continue a run with a different model, global batch or world size (``ranks``), unless
+    told to, and anything the run could not restore: checked before anything is written."""
     try:
         saved = OmegaConf.create(state["config"])
         compared = [
             ("model", OmegaConf.to_container(saved.model), cfg.model),
             ("batch_size", saved.batch_size, cfg.batch_size),
-            ("world_size", state["world_size"], world_size(cfg)),
+            ("world_size", state["world_size"], ranks),
             ("data", saved.data.name, cfg.data.name),
         ]
     except Exception:

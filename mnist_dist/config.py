@@ -75,6 +75,9 @@ class Config:
     device: Device = Device.auto
     epochs: int = 14
     batch_size: int = 64  # GLOBAL batch per optimizer step, in every mode, so curves compare
+    # Micro-batches per optimizer step: each rank's share of batch_size is split into this many, and
+    # ddp modes all-reduce only after the last (no_sync before), so memory per pass drops by this factor.
+    accumulate: int = 1
     test_batch_size: int = 1000
     seed: int = 1
     log_every: int = 10  # steps between loss/throughput scalars
@@ -86,18 +89,25 @@ class Config:
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
     # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
     deterministic: bool = True
-    resume: str = ""  # a checkpoint.pt, or a run directory holding one: continue that run, there
+    # a checkpoint.pt, or a run directory holding one: continue that run, there. auto: continue this
+    # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
+    resume: str = ""
+    checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
+    keep_checkpoints: int = 2  # checkpoint_<step>.pt files kept; checkpoint.pt is the newest
+    profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
     resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
 
 def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every"):
+    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ConfigError(f"optim.lr={float(lr)} must be a finite positive number")
+    if cfg.checkpoint_every_steps < 0:
+        raise ConfigError(f"checkpoint_every_steps={cfg.checkpoint_every_steps} must be 0 (epoch ends only) or more")
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
     if getattr(cfg.mode, "message_size", 1) <= 0:
@@ -105,11 +115,12 @@ def validate(cfg: Config) -> None:
     most = MODES[cfg.mode.name].max_gpus
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
-    ranks = world_size(cfg)
-    if cfg.batch_size % ranks:
+    ranks, parts = world_size(cfg), world_size(cfg) * cfg.accumulate
+    if cfg.batch_size % parts:
+        micro = f" x accumulate={cfg.accumulate}" if cfg.accumulate > 1 else ""
         raise ConfigError(
-            f"batch_size={cfg.batch_size} (global) is not divisible by {ranks} ranks; "
-            f"use a multiple of {ranks}, e.g. batch_size={cfg.batch_size // ranks * ranks or ranks}"
+            f"batch_size={cfg.batch_size} (global) is not divisible by {ranks} ranks{micro}; "
+            f"use a multiple of {parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
         )
 
 

@@ -4,7 +4,7 @@ Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table
 
 - one-process modes: the worker runs in this process;
 - one process per device (ddp modes): spawned processes, rendezvous on 127.0.0.1 at a free port;
-- under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set): this process *is* a worker; local rank 0 prepares
+- under torchrun or srun (mnist_dist.topology.launcher): this process *is* a worker; local rank 0 prepares
   the data while the others wait at a barrier. This is how the app runs across nodes.
 
 A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
@@ -15,21 +15,20 @@ spawning and supervising is ``mnist_dist.parallel.spawn``, which your own script
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, guards, rundir
+from mnist_dist import checkpoint, guards, preemption, rundir
 from mnist_dist.config import Config, ConfigError, data_root
 from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
-from mnist_dist.modes import MODES, Processes
+from mnist_dist.modes import MODES, Processes, world_size
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
-from mnist_dist.topology import Topology, from_env, resolve, setup_process
+from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
 from mnist_dist.train import train
 
 __all__ = ["launch", "WorkerFailed"]
@@ -43,12 +42,9 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     ``overrides``: the command line's, said in one console line once every check has passed (a bad
     setting stays a one-line error); the full config goes to config.yaml and rank 0's log.
     """
-    if cfg.resume:  # checked here, in one process, before anything is overwritten
-        path = checkpoint.locate(cfg.resume)
-        checkpoint.check_resumable(checkpoint.load(path), cfg)
-        cfg.resume, run_dir = str(path), path.parent  # the run goes on in its own directory
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _as_torchrun_worker(cfg, run_dir, overrides)
+    if launcher():
+        return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size
+    run_dir = _resume(cfg, run_dir, world_size(cfg))
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
     guards.check_cpu_capacity(topology)
@@ -74,9 +70,12 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict:
     die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
+    if launcher() == "srun":
+        preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
+    run_dir = _resume(cfg, run_dir, topology.world_size)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
@@ -85,6 +84,23 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)
+
+
+def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
+    """Checks what ``resume=`` names before anything is overwritten; returns the directory the run goes on in.
+
+    ``auto`` resumes ``run_dir``'s checkpoint if it has one, else starts fresh: what a restarted torchrun
+    job or a requeued SLURM job, relaunched with the same command, needs.
+    """
+    if cfg.resume == "auto":
+        found = run_dir / "checkpoint.pt"
+        cfg.resume = str(found) if found.is_file() else ""
+    if not cfg.resume:
+        return run_dir
+    path = checkpoint.locate(cfg.resume)
+    checkpoint.check_resumable(checkpoint.load(path), cfg, ranks)
+    cfg.resume = str(path)
+    return path.parent  # the run goes on in its own directory
 
 
 def _check_port(port: int) -> None:

@@ -1,7 +1,7 @@
 """Where a job runs, resolved once: the mode, the device, how many processes and which one this is.
 
 The parent resolves it (``resolve``) before any worker starts and hands each worker its copy
-(``for_rank``); under torchrun each process reads the same object from its environment (``from_env``).
+(``for_rank``); under torchrun or srun each process reads the same object from its environment (``from_env``).
 ``setup_process`` is the one place a process is set up: threads, deterministic kernels, its device and
 its process group. In the spirit of torchtitan's ``ParallelDims``.
 """
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,17 +51,64 @@ def resolve(cfg: Config) -> Topology:
     return _topology(cfg, _device_type(cfg), world_size(cfg), local_world_size=world_size(cfg))
 
 
+_SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST")
+
+
+def launcher() -> str:
+    """Who started this process as one of a job's workers: "torchrun", "srun", or "" (we start them).
+
+    srun counts only with more than one task: a one-task job (or a plain sbatch script) runs as usual.
+    """
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
+        return "torchrun"
+    if all(key in os.environ for key in _SLURM) and int(os.environ["SLURM_NTASKS"]) > 1:
+        return "srun"
+    return ""
+
+
+def launched_rank() -> int:
+    """This worker's rank as torchrun or srun set it; 0 where this process starts the workers itself."""
+    return int(os.environ.get({"torchrun": "RANK", "srun": "SLURM_PROCID"}.get(launcher(), ""), 0))
+
+
 def from_env(cfg: Config) -> Topology:
-    """This process's topology under torchrun, which set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE."""
-    size = int(os.environ["WORLD_SIZE"])
+    """This process's topology under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) or srun
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE; SLURM_NODELIST's first node is
+    the master): the same worker either way."""
+    env, by = os.environ, launcher()
+    if by == "srun":
+        rank, size, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", str(size // int(env.get("SLURM_NNODES", "1"))))
+        local_size = int(per_node.split("(")[0])  # "2(x3)": 2 tasks on each of 3 nodes
+        # What env:// rendezvous reads; every task derives the same port from the job id.
+        env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(cfg.dist.port or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    else:
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
     if MODES[cfg.mode.name].processes is not Processes.PER_DEVICE:
         raise ConfigError(
-            f"torchrun starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
+            f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
+        )
+    if cfg.batch_size % (size * cfg.accumulate):
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks x accumulate={cfg.accumulate}; "
+            f"use a multiple of {size * cfg.accumulate}"
         )
     device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    topology = _topology(cfg, device_type, size, int(os.environ["LOCAL_WORLD_SIZE"]))
+    topology = _topology(cfg, device_type, size, local_size)
     return dataclasses.replace(topology, rank=rank, local_rank=local_rank)
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``scontrol show hostnames`` where SLURM is installed, else the
+    simple forms (``a,b``, ``node[03-05,9]``) read here."""
+    if shutil.which("scontrol"):
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        if hosts.returncode == 0 and hosts.stdout.split():
+            return hosts.stdout.split()[0]
+    name, bracket = re.match(r"([^,\[]*)(?:\[([^,\-\]]+))?", nodelist).groups()
+    return name + (bracket or "")
 
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
@@ -115,8 +165,20 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> 
         # The rendezvous address is in the environment: spawn or torchrun put it there.
         dist.init_process_group(
             topology.backend,
+            store=_store_of_this_attempt(timedelta(seconds=timeout_s)),
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
     return topology.device
+
+
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
+    # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
+    # So each attempt gets its own keys. None: env:// as usual.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mnist_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -11,7 +11,9 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint, fsdp
+from mnist_dist import checkpoint, fsdp, preemption, profiling
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
@@ -57,7 +59,9 @@ class Run:
     throughput: Throughput
     timer: StepTimer
     progress: Progress | None = None  # set once the run knows where it starts
+    profiler: torch.profiler.profile | None = None  # profile=true
     first_epoch: int = 1
+    skip: int = 0  # steps of first_epoch a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
@@ -78,6 +82,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
             epoch_started = time.perf_counter()
             run_epoch(run, epoch)
             evaluate_epoch(run, epoch, epoch_started)
+        if run.profiler:
+            run.profiler.stop()
         run.progress.close()
         return finish(run, time.perf_counter() - started)
     except Exception:
@@ -130,6 +136,8 @@ def build(
     )
     if resumed:
         restore(run, resumed)
+    if cfg.profile:
+        run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps)
     steps = steps_per_epoch(len(train_x), cfg.batch_size)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
@@ -162,7 +170,7 @@ def restore(run: Run, resumed: dict) -> None:
     fsdp.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-    run.first_epoch, run.step = resumed["epoch"] + 1, resumed["step"]
+    run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
     checkpoint.restore_rng(resumed["rng"], run.topology.rank)
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
 
@@ -174,12 +182,14 @@ def run_epoch(run: Run, epoch: int) -> None:
     order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
     window_losses = []  # kept on the device: no sync per step
     run.progress.set_epoch(epoch, cfg.epochs)
-    for indices in rank_batches(order, cfg.batch_size, rank, run.topology.world_size):
+    batches = rank_batches(order, cfg.batch_size, rank, run.topology.world_size)
+    done, run.skip = run.skip, 0  # after a mid-epoch checkpoint: go on from its position
+    for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark)
+        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.accumulate)
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
@@ -188,9 +198,26 @@ def run_epoch(run: Run, epoch: int) -> None:
             log_window(run, loss_value)
             window_losses = []
         run.progress.step()
+        between_steps(run, epoch, position)
     if window_losses:  # the epoch's last steps, short of a full window
         check_finite(torch.stack(window_losses), run.step, rank)
     run.throughput.pause()
+
+
+def between_steps(run: Run, epoch: int, position: int) -> None:
+    """After step ``position`` of ``epoch``, outside the step: the profiler's step, the mid-epoch
+    checkpoint, and a stop that a scheduler asked for (mnist_dist/preemption.py)."""
+    if run.profiler:
+        run.profiler.step()
+    every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
+    stop = preemption.requested(run.step, run.cfg.log_every)
+    if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
+        save_checkpoint(run, epoch - 1, position)
+    if stop:
+        raise preemption.Stopped(
+            f"stopped by {stop} after step {run.step}; the run goes on from {run.run_dir}/checkpoint.pt when "
+            "started again with resume=auto"
+        )
 
 
 def train_step(
@@ -200,6 +227,7 @@ def train_step(
     y: torch.Tensor,
     precision: Precision,
     mark: Callable[[str], None],
+    accumulate: int = 1,
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
@@ -208,16 +236,34 @@ def train_step(
     communication backward did not hide.
     """
     optimizer.zero_grad(set_to_none=True)
-    with precision.autocast():
-        logits = model(x)
-        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
-    with compute_ends(model, lambda: mark("forward_backward")):
-        precision.scaler.scale(loss).backward()
+    loss = accumulate_gradients(model, x, y, precision, accumulate, lambda: mark("forward_backward"))
     mark("comm_wait")
     precision.scaler.step(optimizer)
     precision.scaler.update()
     mark("optimizer")
     return loss
+
+
+def accumulate_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: Precision, parts: int, compute_done: Callable
+) -> torch.Tensor:
+    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
+
+    Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
+    share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
+    both DDPs decide at forward whether its backward syncs (pytorch/pytorch#43201).
+    """
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+        last = i == parts - 1
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with precision.autocast():
+                logits = model(xs)
+                loss = F.cross_entropy(logits, ys.to(logits.device)) / parts  # split mode ends on another device
+            with compute_ends(model, compute_done) if last else nullcontext():
+                precision.scaler.scale(loss).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
 
 
 def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
@@ -233,25 +279,10 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         )
     run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
-    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
-    rng = checkpoint.rng_states_of_all_ranks()
-    model_state, optimizer_state = fsdp.model_state(run.model), fsdp.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
         tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
         run.scalars.add(run.step, **tags)
-        state = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.precision.scaler.state_dict(),
-            "epoch": epoch,
-            "step": run.step,
-            "rng": rng,
-            "world_size": run.topology.world_size,
-            "config": run.config_yaml,
-            "format": checkpoint.FORMAT,
-        }
-        checkpoint.save(state, run.run_dir / "checkpoint.pt")
+    save_checkpoint(run, epoch, 0)
     log.info(
         "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
         epoch,
@@ -259,6 +290,29 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         100 * run.test_accuracy,
         epoch_seconds,
     )
+
+
+def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
+    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next
+    (a collective: every rank's random state is gathered)."""
+    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
+    rng = checkpoint.rng_states_of_all_ranks()
+    model_state, optimizer_state = fsdp.model_state(run.model), fsdp.optimizer_state(run.model, run.optimizer)
+    if run.topology.rank == 0:
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.precision.scaler.state_dict(),
+            "epoch": epoch,
+            "epoch_step": epoch_step,
+            "step": run.step,
+            "rng": rng,
+            "world_size": run.topology.world_size,
+            "config": run.config_yaml,
+            "format": checkpoint.FORMAT,
+        }
+        checkpoint.save_kept(state, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
 
 
 @torch.no_grad()

@@ -110,6 +110,12 @@ def test_cli_composition_errors_are_one_line_and_leave_no_run_dir(tmp_path, over
             ["mode=ddp", "gpus=2", "batch_size=63"],
             "batch_size=63 (global) is not divisible by 2 ranks; use a multiple of 2, e.g. batch_size=62",
         ),
+        (
+            ["mode=ddp", "gpus=2", "batch_size=64", "accumulate=3"],
+            "batch_size=64 (global) is not divisible by 2 ranks x accumulate=3; use a multiple of 6, "
+            "e.g. batch_size=60",
+        ),
+        (["accumulate=0"], "accumulate=0 must be at least 1"),
         (["gpus=0"], "gpus=0 must be at least 1"),
         (["epochs=-1"], "epochs=-1 must be at least 1"),
         (["optim.lr=0"], "optim.lr=0.0 must be a finite positive number"),

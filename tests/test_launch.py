@@ -1,16 +1,21 @@
 """The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FASHION
 
+from mnist_dist import checkpoint
 from mnist_dist.metrics import tb_dir
+from mnist_dist.preemption import REQUEUE
 
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
@@ -65,6 +70,73 @@ def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
     assert result.returncode == 0, result.stderr
     assert_complete_run(tmp_path / "run", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
+
+
+def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = []
+    for rank in range(2):
+        slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
+        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
+        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
+        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
+    return [task.wait(timeout=300) for task in tasks]
+
+
+def interrupted(tiny_root) -> list[str]:
+    """2 epochs of 20 steps, a checkpoint every 5, rank 1 misbehaving at step 13 of the first attempt only."""
+    same = [f"data.root={tiny_root}", *TINY, "epochs=2", "checkpoint_every_steps=5", "log_every=4", "resume=auto"]
+    return [*same, "model._target_=failing_model.FailingConvNet", "+model.fail_step=13", "+model.attempt=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_root, tmp_path_factory) -> Path:
+    """The run the interrupted ones must end as; also profiled (profiling changes no number)."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    whole = cli(run_dir, "mode=ddp", "gpus=2", *interrupted(tiny_root), "+model.fail_rank=-1", "profile=true")
+    assert whole.returncode == 0, whole.stderr
+    return run_dir
+
+
+@pytest.mark.slow
+def test_profile_writes_a_chrome_trace_per_rank_with_backward_and_all_reduce(uninterrupted):
+    for rank in range(2):
+        names = {
+            event.get("name", "")
+            for event in json.loads((uninterrupted / f"trace_rank{rank}.json").read_text())["traceEvents"]
+        }
+        # counted from 0: warmup_steps (5) and the profiler's own warm-up step left out, then 5 steps
+        assert {name for name in names if name.startswith("ProfilerStep#")} == {
+            f"ProfilerStep#{i}" for i in range(6, 11)
+        }
+        assert "autograd::engine::evaluate_function: ConvolutionBackward0" in names, rank
+        assert "gloo:all_reduce" in names, rank
+
+
+@pytest.mark.slow
+def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_path, uninterrupted):
+    # Two interruptions, each mid-epoch and resumed by resume=auto. Dropout is on, so every rank's random
+    # state must be restored too.
+    same = interrupted(tiny_root)
+    # torchrun: SIGKILL; the agent restarts both workers, which go on from the checkpoint of step 10.
+    torchrun = (sys.executable, "-m", "torch.distributed.run")  # the torchrun command, without its script
+    launcher = (*torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "mnist_dist")
+    restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.kill=true", launcher=launcher)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
+    # srun: SIGUSR1 to rank 1 alone; both ranks stop after step 16 (the next check), with a checkpoint.
+    requeued = tmp_path / "requeued"
+    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
+    state = checkpoint.load(requeued / "checkpoint.pt")
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 16, 16)
+    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
+    weights = [torch.load(run / "model.pt") for run in (uninterrupted, tmp_path / "restarted", requeued)]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys()
+        assert all(torch.equal(other[k], weights[0][k]) for k in other), "weights differ"
 
 
 @pytest.mark.slow

@@ -353,7 +353,7 @@ def test_a_checkpoint_missing_an_entry_is_one_line(trained, tmp_path, key):
 
 def test_a_checkpoint_from_before_format_versions_resumes(tiny_root, trained, tmp_path):
     state = torch.load(trained / "checkpoint.pt", weights_only=True)
-    del state["format"], state["scaler"]  # as written before commit 32352fb
+    del state["format"], state["scaler"], state["epoch_step"]  # as written before commit 32352fb
     (tmp_path / "old").mkdir()
     torch.save(state, tmp_path / "old" / "checkpoint.pt")
     with pytest.raises(ConfigError) as error:
@@ -366,6 +366,14 @@ def test_a_checkpoint_from_before_format_versions_resumes(tiny_root, trained, tm
     assert torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)["epoch"] == 2
 
 
+def test_a_format_2_checkpoint_loads_as_written_at_an_epoch_end(trained, tmp_path):
+    state = torch.load(trained / "checkpoint.pt", weights_only=True)
+    state["format"] = 2
+    del state["epoch_step"]  # format 2 checkpointed at epoch ends only
+    torch.save(state, tmp_path / "checkpoint.pt")
+    assert checkpoint.load(tmp_path / "checkpoint.pt")["epoch_step"] == 0
+
+
 def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
     state = torch.load(trained / "checkpoint.pt", weights_only=True)
     state["format"] = 99
@@ -374,7 +382,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused(trained, tmp_path):
         checkpoint.load(tmp_path / "checkpoint.pt")
     assert str(error.value) == (
         f"resume={tmp_path}/checkpoint.pt: checkpoint format 99, but this version of mnist_dist reads formats 1 "
-        "to 2; resume it with the version that wrote it"
+        "to 3; resume it with the version that wrote it"
     )
 
 

@@ -77,6 +77,28 @@ def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
     assert resumed["test/accuracy"] == whole["test/accuracy"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["single"])  # ddp: test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run
+def test_mid_epoch_resume_equals_uninterrupted(make_config, tmp_path, mode):
+    # 2 epochs of 10 steps, a checkpoint every 3 steps: saved at 3, 6, 9, 10 (epoch end), 12, 15, 18, 20;
+    # the 3 kept are 20, 18 and 15. resume=auto starts the first run fresh and continues the second.
+    every = (f"mode={mode}", "gpus=2", "epochs=2", "checkpoint_every_steps=3", "keep_checkpoints=3", "resume=auto")
+    whole_weights, whole = run(make_config, tmp_path / "whole", *every)
+    assert sorted(p.name for p in (tmp_path / "whole").glob("checkpoint*")) == [
+        "checkpoint.1.pt",
+        "checkpoint.2.pt",
+        "checkpoint.pt",
+    ]
+    state = checkpoint.load(tmp_path / "whole" / "checkpoint.2.pt")
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 5, 15)  # mid-epoch 2
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "checkpoint.pt").write_bytes((tmp_path / "whole" / "checkpoint.2.pt").read_bytes())
+    resumed_weights, resumed = run(make_config, part, *every)
+    assert_same_weights(resumed_weights, whole_weights)
+    assert resumed["train/loss"] == whole["train/loss"][15:]  # steps 16 to 20, with dropout (every rank's RNG)
+
+
 def cli(tmp_path, *overrides):
     return subprocess.run(
         [sys.executable, "-m", "mnist_dist", *overrides, f"hydra.run.dir={tmp_path}/new"],
