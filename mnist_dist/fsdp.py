@@ -17,26 +17,32 @@ share of the evaluation see the same model.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mnist_dist.errors import ConfigError
 from mnist_dist.parallel import plain_state_dict
 
-# Gathered on every rank, kept by rank 0 only; on the CPU, so a GPU needs no room for a full copy.
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch.distributed.fsdp and .checkpoint are imported inside the functions that need them: they pull
+# in DTensor and sympy, about 2 s of CPU that every process of every other mode would pay at start.
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` went through ``shard``; a process that never imported FSDP holds no FSDP model."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Gathered on every rank, kept by rank 0 only; on the CPU, so a GPU needs no room for a full copy.
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def layer_groups(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
@@ -56,6 +62,9 @@ def layer_groups(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
 
 def shard(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
     """``fully_shard`` on each layer group, then on the root; the process group must exist."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     param_dtype, reduce_dtype = getattr(torch, mode.param_dtype.name), getattr(torch, mode.reduce_dtype.name)
     model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -80,21 +89,29 @@ def _buffers_from_rank_0(model: nn.Module, args: tuple) -> None:
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state_dict (a collective in fsdp: every rank calls; rank 0's copy is complete)."""
-    return get_model_state_dict(model, options=_FULL) if isinstance(model, FSDPModule) else plain_state_dict(model)
+    if not _sharded(model):
+        return plain_state_dict(model)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options())
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's full state_dict (a collective in fsdp, keyed by parameter name, not by position)."""
-    if isinstance(model, FSDPModule):
-        return get_optimizer_state_dict(model, optimizer, options=_FULL)
-    return optimizer.state_dict()
+    if not _sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_full_options())
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Puts a checkpoint's optimizer state into ``optimizer``: in fsdp each rank keeps its own shard."""
-    if not isinstance(model, FSDPModule):
+    if not _sharded(model):
         optimizer.load_state_dict(state)
         return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     names = [name for name, _ in model.named_parameters()]
     if any(isinstance(key, int) for key in state["state"]):  # written by another mode: keyed by position
         state = {

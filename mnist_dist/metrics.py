@@ -28,7 +28,6 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.custom_scalar import layout_pb2
-from torch.distributed.tensor import DTensor
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
@@ -226,6 +225,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     storages = {}
     for tensor in tensors:
-        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        # A DTensor (fsdp) holds its shard locally; isinstance would mean importing DTensor in every mode.
+        storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
