@@ -10,6 +10,7 @@ from helpers import scalars
 
 from mnist_dist import checkpoint
 from mnist_dist.compare import compare
+from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 
 SHORT = ("epochs=3", "batch_size=64", "log_every=1")
@@ -131,21 +132,23 @@ def test_resume_with_other_settings_is_refused_unless_allowed(make_config, tiny_
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["epoch"] == 2
 
 
-@pytest.mark.parametrize(
-    "content, expected",
-    [
-        (None, "no checkpoint there"),
-        (b"not a checkpoint", "cannot read the checkpoint (UnpicklingError"),
-    ],
-)
-def test_missing_or_corrupt_checkpoint_is_one_clear_line(tiny_root, tmp_path, content, expected):
+def test_a_missing_checkpoint_is_one_clear_line(tmp_path):
     (tmp_path / "old").mkdir()
-    if content is not None:
-        (tmp_path / "old" / "checkpoint.pt").write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        checkpoint.locate(str(tmp_path / "old"))
+    assert str(error.value) == (
+        f"resume={tmp_path / 'old'}: no checkpoint there; pass a run directory that holds checkpoint.pt, or the "
+        "file itself"
+    )
+
+
+def test_a_corrupt_checkpoint_is_one_clear_line_and_left_alone(tiny_root, tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     result = cli(tmp_path, f"data.root={tiny_root}", f"resume={tmp_path}/old")
-    assert result.returncode == 1 and result.stderr.count("\n") == 1 and expected in result.stderr
-    if content is not None:
-        assert (tmp_path / "old" / "checkpoint.pt").read_bytes() == content  # left as it was
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert "cannot read the checkpoint (UnpicklingError" in result.stderr
+    assert (tmp_path / "old" / "checkpoint.pt").read_bytes() == b"not a checkpoint"
     assert not (tmp_path / "new").exists()
 
 
