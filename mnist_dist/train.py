@@ -7,6 +7,7 @@ once, in ``train``; ``build`` puts the weights into the plain model and ``restor
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import time
@@ -26,7 +27,7 @@ from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
-from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce
+from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_reduce
 from mnist_dist.modes import wrap_model
 from mnist_dist.parallel import compute_ends, plain_state_dict, unwrap
 from mnist_dist.precision import Precision
@@ -61,6 +62,13 @@ class Run:
     step: int = 0  # optimizer steps taken, over all epochs
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
+    evaluated_step: int = -1  # the step whose model test_loss and test_accuracy describe
+    steps_to_target: int | None = None  # the first evaluated step at or above cfg.target_accuracy
+    time_to_target_s: float | None = None  # training time (train_clock) up to that step
+    scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
+
+    def __post_init__(self) -> None:
+        self.train_clock, self.eval_clock = Stopwatch(self.throughput.device), Stopwatch(self.throughput.device)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
@@ -77,6 +85,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
             epoch_started = time.perf_counter()
             run_epoch(run, epoch)
             evaluate_epoch(run, epoch, epoch_started)
+            if run.steps_to_target is not None:
+                break
         run.progress.close()
         return finish(run, time.perf_counter() - started)
     except Exception:
@@ -110,6 +120,8 @@ def build(
     random.seed(cfg.seed + topology.rank)
     torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
     optimizer = instantiate(cfg.optim)(model.parameters())
+    steps = steps_per_epoch(len(train_x), cfg.batch_size)
+    scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, steps * cfg.epochs)
     run = Run(
         cfg,
         topology,
@@ -122,14 +134,14 @@ def build(
         test_y,
         model,
         optimizer,
-        instantiate(cfg.scheduler)(optimizer),
+        scheduler,
         Precision(cfg.amp, device),
         Throughput(device, cfg.warmup_steps),
         StepTimer(device),
+        scheduler_per_step=per_step,
     )
     if resumed:
         restore(run, resumed)
-    steps = steps_per_epoch(len(train_x), cfg.batch_size)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
         "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
@@ -141,6 +153,17 @@ def build(
         steps,
     )
     return run
+
+
+def make_scheduler(
+    scheduler_cfg, optimizer: torch.optim.Optimizer, total_steps: int
+) -> tuple[torch.optim.lr_scheduler.LRScheduler, bool]:
+    """The scheduler, and whether it steps after every optimizer step: one that takes ``total_steps``
+    (OneCycleLR) plans the whole run's steps and is given them; the others step after every epoch."""
+    factory = instantiate(scheduler_cfg)
+    if "total_steps" in inspect.signature(factory.func).parameters:
+        return factory(optimizer, total_steps=total_steps), True
+    return factory(optimizer), False
 
 
 def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
@@ -173,12 +196,15 @@ def run_epoch(run: Run, epoch: int) -> None:
     order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
     window_losses = []  # kept on the device: no sync per step
     run.progress.set_epoch(epoch, cfg.epochs)
+    run.train_clock.start()
     for indices in rank_batches(order, cfg.batch_size, rank, run.topology.world_size):
         run.step += 1
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark)
+        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.label_smoothing)
+        if run.scheduler_per_step:
+            run.scheduler.step()
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
@@ -186,6 +212,9 @@ def run_epoch(run: Run, epoch: int) -> None:
             log_window(run, loss_value)
             window_losses = []
         run.progress.step()
+        if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0 and evaluate_now(run):
+            break  # the target is reached
+    run.train_clock.stop()
     if window_losses:  # the epoch's last steps, short of a full window
         check_finite(torch.stack(window_losses), run.step, rank)
     run.throughput.pause()
@@ -198,6 +227,7 @@ def train_step(
     y: torch.Tensor,
     precision: Precision,
     mark: Callable[[str], None],
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
@@ -208,7 +238,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     with precision.autocast():
         logits = model(x)
-        loss = F.cross_entropy(logits, y.to(logits.device))  # split mode ends on another device
+        # split mode ends on another device
+        loss = F.cross_entropy(logits, y.to(logits.device), label_smoothing=label_smoothing)
     with compute_ends(model, lambda: mark("forward_backward")):
         precision.scaler.scale(loss).backward()
     mark("comm_wait")
@@ -218,23 +249,50 @@ def train_step(
     return loss
 
 
-def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
-    """Test loss and accuracy, the scheduler's step, and (rank 0) the scalars and the checkpoint."""
-    with run.precision.autocast():
-        run.test_loss, run.test_accuracy = evaluate(
-            unwrap(run.model),
-            run.test_x,
-            run.test_y,
-            run.cfg.test_batch_size,
-            run.topology.rank,
-            run.topology.world_size,
+def evaluate_now(run: Run) -> bool:
+    """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
+    rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
+    run.throughput.pause()  # the next step starts its clock again
+    with run.train_clock.paused():
+        run.eval_clock.start()
+        with run.precision.autocast():
+            run.test_loss, run.test_accuracy = evaluate(
+                unwrap(run.model),
+                run.test_x,
+                run.test_y,
+                run.cfg.test_batch_size,
+                run.topology.rank,
+                run.topology.world_size,
+            )
+        run.eval_clock.stop()
+    run.evaluated_step = run.step
+    target = run.cfg.target_accuracy
+    if target and run.test_accuracy >= target and run.steps_to_target is None:
+        run.steps_to_target, run.time_to_target_s = run.step, run.train_clock.seconds
+        log.info(
+            "target accuracy %.2f %% reached at step %d, %.1f s of training",
+            100 * target,
+            run.step,
+            run.time_to_target_s,
         )
-    run.scheduler.step()
+    if run.topology.rank == 0:
+        run.scalars.add(run.step, **{"test/loss": run.test_loss, "test/accuracy": run.test_accuracy})
+        # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
+        run.scalars.add(round(1000 * run.train_clock.seconds), **{"test/accuracy_by_train_ms": run.test_accuracy})
+    return run.steps_to_target is not None
+
+
+def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
+    """Test loss and accuracy (unless this step's model was just evaluated), the scheduler's step, and
+    (rank 0) the scalars and the checkpoint."""
+    if run.evaluated_step != run.step:
+        evaluate_now(run)
+    if not run.scheduler_per_step:
+        run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
     rng = checkpoint.rng_states_of_all_ranks()  # a collective: every rank takes part
     if run.topology.rank == 0:
-        tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
-        run.scalars.add(run.step, **tags)
+        run.scalars.add(run.step, **{"perf/epoch_time_s": epoch_seconds})
         state = {
             "model": plain_state_dict(run.model),
             "optimizer": run.optimizer.state_dict(),

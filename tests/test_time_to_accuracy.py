@@ -1,0 +1,56 @@
+"""Time to accuracy: an exact evaluation every eval_every_steps, a stop at target_accuracy, and the fast recipe."""
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import events
+
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.launch import launch
+
+
+class TinyMLP(torch.nn.Sequential):
+    """Milliseconds per step: these tests count evaluations, not convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def results_of(make_config, run_dir, *overrides) -> dict:
+    run_dir.mkdir()
+    tiny = ("epochs=3", "batch_size=64", "model._target_=test_time_to_accuracy.TinyMLP", "~model.dropout")
+    launch(make_config(*tiny, *overrides), run_dir)
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_config, tmp_path):
+    # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it.
+    reached = results_of(make_config, tmp_path / "reached", "target_accuracy=0.3", "eval_every_steps=4")
+    tb = events(tmp_path / "reached", 0)
+    evaluated = [(e.step, e.value) for e in tb.Scalars("test/accuracy")]
+    first = next(step for step, accuracy in evaluated if accuracy >= 0.3)
+    assert reached["steps_to_target"] == first and first % 4 == 0 and first < 30
+    assert reached["steps"] == first  # no step after the target
+    assert 0 < reached["time_to_target_s"] <= reached["train_time_s"]
+    assert reached["eval_time_s"] > 0
+    # The same accuracies against training time only: evaluation does not move this axis.
+    timed = tb.Scalars("test/accuracy_by_train_ms")
+    assert [e.value for e in timed] == [accuracy for _, accuracy in evaluated]
+    assert all(a.step < b.step for a, b in zip(timed, timed[1:]))
+
+    missed = results_of(make_config, tmp_path / "missed", "target_accuracy=1", "eval_every_steps=7", "optim.lr=1e-4")
+    assert missed["steps_to_target"] is None and missed["time_to_target_s"] is None
+    assert missed["steps"] == 30
+    steps = [e.step for e in events(tmp_path / "missed", 0).Scalars("test/accuracy")]
+    assert steps == [7, 10, 14, 20, 21, 28, 30]  # every 7 steps, and at every epoch's end
+
+
+def test_bad_target_settings_are_one_line(make_config):
+    for override, message in [
+        ("target_accuracy=1.5", "target_accuracy=1.5 must be a fraction in [0, 1], e.g. 0.91"),
+        ("eval_every_steps=-1", "eval_every_steps=-1 must be 0 (epoch ends only) or more"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(make_config(override))
