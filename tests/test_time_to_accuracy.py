@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import events
+from helpers import events, scalars
 
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch
@@ -54,3 +54,20 @@ def test_bad_target_settings_are_one_line(make_config):
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(make_config(override))
+
+
+def test_recipes_classic_is_the_defaults_and_fast_chooses_its_groups(make_config):
+    assert make_config("recipe=classic") == make_config()
+    fast = make_config("recipe=fast", "batch_size=128")  # the command line still wins over the recipe
+    assert (fast.recipe, fast.batch_size, fast.label_smoothing) == ("fast", 128, 0.1)
+    assert fast.model["_target_"] == "mnist_dist.model.FastNet"
+    assert fast.scheduler["max_lr"] == fast.optim["lr"]
+
+
+def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
+    (tmp_path / "run").mkdir()
+    launch(make_config("recipe=fast", "epochs=2", "batch_size=64", "log_every=1"), tmp_path / "run")
+    lr = scalars(tmp_path / "run", 0)["train/lr"]
+    assert len(lr) == 20
+    peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
+    assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
