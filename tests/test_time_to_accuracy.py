@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import events, scalars
 
+from mnist_dist import time_to_accuracy as tta
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch
 
@@ -71,3 +72,29 @@ def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     assert len(lr) == 20
     peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
+
+
+def test_time_to_accuracy_table_medians_worst_misses_and_targets():
+    def run(seconds, accuracy, steps=300):
+        reached = seconds is not None
+        return {"time_to_target_s": seconds, "steps_to_target": steps if reached else None, "test_accuracy": accuracy}
+
+    samples = {
+        "single": [run(40.0, 0.911), run(50.0, 0.912), run(45.0, 0.913)],
+        "ddp": [run(48.0, 0.910), run(55.0, 0.911), run(58.5, 0.915)],  # ratios 1.2, 1.1, 1.3
+        "torch_ddp": [run(50.0, 0.910), run(None, 0.905), run(52.0, 0.911)],
+    }
+    result = tta.summarize(samples)
+    assert result["cases"]["single"]["median_s"] == 45.0 and result["cases"]["single"]["worst_s"] == 50.0
+    assert result["single_met"] and result["ddp_ratio"] == pytest.approx(1.2) and result["ddp_met"]
+    assert result["cases"]["torch_ddp"]["reached"] == 2 and result["cases"]["torch_ddp"]["worst_s"] is None
+    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
+    info.update(memory_gib=23.5, torch="2.14.1")
+    settings = {"target": 0.91, "dataset": "fashion_mnist", "device": "cpu", "gpus": 2, "eval_every": 47, "seeds": 3}
+    table = tta.markdown({**result, "classic_seconds": 45.0, "classic_accuracy": 0.84}, settings, info, "1.0 0.5 0.2")
+    assert "; load average 1.0 0.5 0.2 (1, 5, 15 min)" in table.splitlines()[0]
+    assert "| single | 3/3 | 45.0 | 50.0 | 300 | 91.10% – 91.30% (mean 91.20%) |" in table
+    assert "| torch_ddp | 2/3 | 51.0 | not reached |" in table
+    assert "| single reaches 91.0% within 60 s | worst 50.0 s | yes |" in table
+    assert "| ddp within 1.3x single's time | 1.20x (median of per-seed ratios) | yes |" in table
+    assert "recipe=classic (seed 1) after the same 45.0 s of training (fast single's median): 84.00%" in table
