@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import events, scalars
+from helpers import FASHION, compose_config, events, scalars
 
 from mnist_dist import time_to_accuracy as tta
 from mnist_dist.config import ConfigError, validate
@@ -98,3 +98,21 @@ def test_time_to_accuracy_table_medians_worst_misses_and_targets():
     assert "| single reaches 91.0% within 60 s | worst 50.0 s | yes |" in table
     assert "| ddp within 1.3x single's time | 1.20x (median of per-seed ratios) | yes |" in table
     assert "recipe=classic (seed 1) after the same 45.0 s of training (fast single's median): 84.00%" in table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
+def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch(tmp_path):
+    # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and ddp's
+    # every rank stops at the same step (evaluation is a collective).
+    for mode in ("single", "ddp"):
+        run_dir = tmp_path / mode
+        run_dir.mkdir()
+        fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
+        cfg = compose_config(tmp_path / "data", *fashion, f"mode={mode}", "gpus=2", "target_accuracy=0.89")
+        cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
+        launch(cfg, run_dir)
+        results = json.loads((run_dir / "results.json").read_text())
+        assert results["test_accuracy"] >= 0.89, mode
+        assert results["steps"] == results["steps_to_target"] <= 234, mode
+        assert results["world_size"] == (2 if mode == "ddp" else 1)
