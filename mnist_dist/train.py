@@ -7,7 +7,6 @@ once, in ``train``; ``build`` puts the weights into the plain model and ``restor
 
 from __future__ import annotations
 
-import inspect
 import logging
 import random
 import time
@@ -22,7 +21,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mnist_dist import checkpoint
-from mnist_dist.build import instantiate_model
+from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
@@ -153,17 +152,6 @@ def build(
         steps,
     )
     return run
-
-
-def make_scheduler(
-    scheduler_cfg, optimizer: torch.optim.Optimizer, total_steps: int
-) -> tuple[torch.optim.lr_scheduler.LRScheduler, bool]:
-    """The scheduler, and whether it steps after every optimizer step: one that takes ``total_steps``
-    (OneCycleLR) plans the whole run's steps and is given them; the others step after every epoch."""
-    factory = instantiate(scheduler_cfg)
-    if "total_steps" in inspect.signature(factory.func).parameters:
-        return factory(optimizer, total_steps=total_steps), True
-    return factory(optimizer), False
 
 
 def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
