@@ -125,7 +125,8 @@ def markdown(result: dict, settings: dict, machine_info: dict, load: str) -> str
         worst = result["cases"]["single"]["worst_s"]
         met = "yes" if result["single_met"] else "**no**"
         lines.append(
-            f"| single reaches {target:.1%} within {SINGLE_SECONDS_TARGET:.0f} s | worst {_seconds(worst)} s | {met} |"
+            f"| single reaches {target:.1%} within {SINGLE_SECONDS_TARGET:.0f} s "
+            f"| {'not reached' if worst is None else f'worst {worst:.1f} s'} | {met} |"
         )
     if "ddp_ratio" in result:
         ratio = "—" if result["ddp_ratio"] is None else f"{result['ddp_ratio']:.2f}x"
