@@ -253,6 +253,7 @@ def evaluate_now(run: Run) -> bool:
                 run.topology.world_size,
             )
         run.eval_clock.stop()
+    run.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
     run.evaluated_step = run.step
     target = run.cfg.target_accuracy
     if target and run.test_accuracy >= target and run.steps_to_target is None:

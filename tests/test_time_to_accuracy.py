@@ -19,6 +19,14 @@ class TinyMLP(torch.nn.Sequential):
         super().__init__(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
+class TrainModeMLP(TinyMLP):
+    """Refuses to train in eval mode: BatchNorm and dropout would then behave as at test time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.training or not torch.is_grad_enabled(), "a training step ran in eval mode"
+        return super().forward(x)
+
+
 def results_of(make_config, run_dir, *overrides) -> dict:
     run_dir.mkdir()
     tiny = ("epochs=3", "batch_size=64", "model._target_=test_time_to_accuracy.TinyMLP", "~model.dropout")
@@ -41,7 +49,11 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
     assert [e.value for e in timed] == [accuracy for _, accuracy in evaluated]
     assert all(a.step < b.step for a, b in zip(timed, timed[1:]))
 
-    missed = results_of(make_config, tmp_path / "missed", "target_accuracy=1", "eval_every_steps=7", "optim.lr=1e-4")
+    # Evaluations in mid-epoch hand the model back in training mode (TrainModeMLP checks every step).
+    trains = "model._target_=test_time_to_accuracy.TrainModeMLP"
+    missed = results_of(
+        make_config, tmp_path / "missed", trains, "target_accuracy=1", "eval_every_steps=7", "optim.lr=1e-4"
+    )
     assert missed["steps_to_target"] is None and missed["time_to_target_s"] is None
     assert missed["steps"] == 30
     steps = [e.step for e in events(tmp_path / "missed", 0).Scalars("test/accuracy")]
