@@ -191,7 +191,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--fashion", type=Path, default=FASHION, help="the four Fashion-MNIST .gz files")
     parser.add_argument("--target", type=float, default=0.91, help="recipe=fast's target test accuracy")
-    parser.add_argument("--tta-epochs", type=int, default=4, help="recipe=fast's schedule")
+    parser.add_argument("--tta-epochs", type=int, default=3, help="recipe=fast's schedule")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if gpus == 0:
