@@ -2,6 +2,7 @@
 
     python -m mnist_dist.bench                      # defaults: < 10 minutes on a 2-core CPU
     python -m mnist_dist.bench --device cuda --batch 512 --steps 400 --gpus 4
+    python -m mnist_dist.bench --time-to-accuracy   # recipe=fast to 91 % on Fashion-MNIST (time_to_accuracy.py)
 
 Every case is a fresh process training the same convnet on the same generated data (so no
 download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
@@ -24,7 +25,7 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from mnist_dist import machine
+from mnist_dist import machine, time_to_accuracy
 from mnist_dist.metrics import state_bytes
 from mnist_dist.synthetic import write_idx
 
@@ -242,6 +243,19 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     }
 
 
+def tta_settings(args: argparse.Namespace) -> dict:
+    cases = [case for case in args.cases.split(",") if case in time_to_accuracy.CASES] or list(time_to_accuracy.CASES)
+    return {
+        **{
+            key: getattr(args, key) for key in ("device", "gpus", "target", "seeds", "eval_every", "dataset", "classic")
+        },
+        "cases": cases,
+        "data": args.data_dir,
+        "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
+        "work": Path(tempfile.mkdtemp(prefix="mnist_dist_tta_")),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -252,6 +266,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
+    tta = parser.add_argument_group("time to accuracy (mnist_dist/time_to_accuracy.py)")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --target, per mode and seed")
+    tta.add_argument("--target", type=float, default=0.91, help="test accuracy to reach (fraction)")
+    tta.add_argument("--seeds", type=int, default=3, help="seeds 1..N, modes interleaved")
+    tta.add_argument("--eval-every", type=int, default=47, help="steps between exact evaluations")
+    tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
+    tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
+    tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -259,6 +281,8 @@ def main() -> int:
         root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
         print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup)))
         return 0
+    if args.time_to_accuracy:
+        return time_to_accuracy.run(tta_settings(args), args.out)
     chosen = args.cases.split(",")
     unknown = sorted(set(chosen) - set(CASES))
     if unknown:

@@ -1,4 +1,5 @@
-"""The model from ``cfg.model``, with Hydra's InstantiationException said in one line that says what to do.
+"""The model from ``cfg.model``, with Hydra's InstantiationException said in one line that says what to do;
+the scheduler from ``cfg.scheduler``, stepped per epoch or per step.
 
 Hydra's own messages ("Error locating target ..., set env var HYDRA_FULL_ERROR=1") name neither the
 usual cause (the module is not on the path) nor the usual fix; the two mistakes people make when
@@ -8,8 +9,10 @@ that does not take the convnet's ``dropout`` argument.
 
 from __future__ import annotations
 
+import inspect
 import re
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
@@ -48,3 +51,14 @@ def describe(error: InstantiationException, target: str) -> str:
             f"add ~model.{key} to the command line to leave it out"
         )
     return f"model._target_={target} failed: {text.splitlines()[-1] if text else type(cause).__name__}"
+
+
+def make_scheduler(
+    scheduler_cfg, optimizer: torch.optim.Optimizer, total_steps: int
+) -> tuple[torch.optim.lr_scheduler.LRScheduler, bool]:
+    """The scheduler, and whether it steps after every optimizer step: one that takes ``total_steps``
+    (OneCycleLR) plans the whole run's steps and is given them; the others step after every epoch."""
+    factory = instantiate(scheduler_cfg)
+    if "total_steps" in inspect.signature(factory.func).parameters:
+        return factory(optimizer, total_steps=total_steps), True
+    return factory(optimizer), False

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
 
@@ -180,7 +181,8 @@ def _check_restorable(state: dict, cfg: Config) -> None:
         model.load_state_dict(state["model"])
         optimizer = instantiate(cfg.optim)(model.parameters())
         optimizer.load_state_dict(state["optimizer"])
-        instantiate(cfg.scheduler)(optimizer).load_state_dict(state["scheduler"])
+        # total_steps: any plan; OneCycleLR's state holds the run's own
+        make_scheduler(cfg.scheduler, optimizer, cfg.epochs)[0].load_state_dict(state["scheduler"])
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
         raise ConfigError(

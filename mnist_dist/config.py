@@ -89,11 +89,16 @@ class Config:
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
     # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
     deterministic: bool = True
+    # Time to accuracy: stop once the exact test accuracy (a fraction) reaches this; 0 trains every epoch
+    target_accuracy: float = 0.0
+    eval_every_steps: int = 0  # also evaluate every this many optimizer steps; 0: at epoch ends only
+    label_smoothing: float = 0.0  # of the training loss (the test loss stays plain cross-entropy)
+    recipe: str = "classic"  # set by conf/recipe/<name>.yaml: which recipe chose the settings above
     # a checkpoint.pt, or a run directory holding one: continue that run, there. auto: continue this
     # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
-    keep_checkpoints: int = 2  # checkpoint_<step>.pt files kept; checkpoint.pt is the newest
+    keep_checkpoints: int = 2  # checkpoints kept: checkpoint.pt (the newest), checkpoint.1.pt, ...
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
     resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
 
@@ -103,6 +108,10 @@ def validate(cfg: Config) -> None:
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    if not 0 <= cfg.target_accuracy <= 1:
+        raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
+    if cfg.eval_every_steps < 0:
+        raise ConfigError(f"eval_every_steps={cfg.eval_every_steps} must be 0 (epoch ends only) or more")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ConfigError(f"optim.lr={float(lr)} must be a finite positive number")

@@ -10,7 +10,9 @@ which only the per-rank charts show (and which the run filter ``tb$`` hides):
   hidden behind compute),
   ``time/optimizer_ms``
 - rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
-  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy``, ``results/images_per_s`` (the run's
+  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy`` (at every evaluation: epoch ends, and every
+  ``eval_every_steps``), ``test/accuracy_by_train_ms`` (the same accuracies with training milliseconds,
+  evaluation left out, as the x axis: modes compare by time), ``results/images_per_s`` (the run's
   average, at the end), the run's hyperparameters for the HPARAMS tab, and ``LAYOUT`` for the
   CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section.
 
@@ -20,6 +22,8 @@ The x axis is the optimizer step, which means the same global batch in every mod
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +45,7 @@ LAYOUT = [
             ("training loss, mean over ranks", r"^train/loss_global$"),
             ("images/s, all ranks together", r"^perf/images_per_s_global$"),
             ("test accuracy", r"^test/accuracy$"),
+            ("test accuracy against training time (x: ms, evaluation left out)", r"^test/accuracy_by_train_ms$"),
             ("test loss", r"^test/loss$"),
         ],
     ),
@@ -145,6 +150,39 @@ class Throughput:
     @property
     def images_per_s(self) -> float:
         return self.total_images / self.total_seconds if self.total_seconds else 0.0
+
+
+class Stopwatch:
+    """Seconds spent between ``start()`` and ``stop()``, summed; the device is synchronised at both ends.
+
+    Time to accuracy counts training only: the trainer stops its training stopwatch while it evaluates.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+        self.started: float | None = None
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.started is not None:
+            synchronize(self.device)
+            self.seconds += time.perf_counter() - self.started
+            self.started = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not counting inside the block; counting again after it if it was counting before."""
+        running = self.started is not None
+        self.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.start()
 
 
 class StepTimer:

@@ -29,6 +29,13 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "batch_size": cfg.batch_size,
         "test_accuracy": run.test_accuracy,
         "test_loss": run.test_loss,
+        "steps": run.step,
+        # Time to accuracy: training time only, without evaluation (eval_time_s); null when not reached.
+        "target_accuracy": cfg.target_accuracy or None,
+        "steps_to_target": run.steps_to_target,
+        "time_to_target_s": run.time_to_target_s,
+        "train_time_s": run.train_clock.seconds,
+        "eval_time_s": run.eval_clock.seconds,
         "train_images_per_s": global_images_per_s(run.throughput.total_images, run.throughput.total_seconds),
         "wall_time_s": wall_time_s,
         "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps

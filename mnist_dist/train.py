@@ -23,12 +23,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mnist_dist import checkpoint, fsdp, preemption, profiling
-from mnist_dist.build import instantiate_model
+from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
-from mnist_dist.metrics import Scalars, StepTimer, Throughput, all_reduce, state_bytes
+from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_reduce, state_bytes
 from mnist_dist.modes import wrap_model
 from mnist_dist.parallel import compute_ends, unwrap
 from mnist_dist.precision import Precision
@@ -66,6 +66,13 @@ class Run:
     test_loss: float = float("nan")
     test_accuracy: float = float("nan")
     state_bytes: int = 0  # the most parameter, gradient and optimizer bytes this rank held after a step
+    evaluated_step: int = -1  # the step whose model test_loss and test_accuracy describe
+    steps_to_target: int | None = None  # the first evaluated step at or above cfg.target_accuracy
+    time_to_target_s: float | None = None  # training time (train_clock) up to that step
+    scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
+
+    def __post_init__(self) -> None:
+        self.train_clock, self.eval_clock = Stopwatch(self.throughput.device), Stopwatch(self.throughput.device)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
@@ -82,6 +89,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
             epoch_started = time.perf_counter()
             run_epoch(run, epoch)
             evaluate_epoch(run, epoch, epoch_started)
+            if run.steps_to_target is not None:
+                break
         if run.profiler:
             run.profiler.stop()
         run.progress.close()
@@ -117,6 +126,8 @@ def build(
     random.seed(cfg.seed + topology.rank)
     torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
     optimizer = instantiate(cfg.optim)(model.parameters())
+    steps = steps_per_epoch(len(train_x), cfg.batch_size)
+    scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, steps * cfg.epochs)
     run = Run(
         cfg,
         topology,
@@ -129,16 +140,16 @@ def build(
         test_y,
         model,
         optimizer,
-        instantiate(cfg.scheduler)(optimizer),
+        scheduler,
         Precision(cfg.amp, device),
         Throughput(device, cfg.warmup_steps),
         StepTimer(device),
+        scheduler_per_step=per_step,
     )
     if resumed:
         restore(run, resumed)
     if cfg.profile:
         run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps)
-    steps = steps_per_epoch(len(train_x), cfg.batch_size)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
         "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
@@ -184,12 +195,17 @@ def run_epoch(run: Run, epoch: int) -> None:
     run.progress.set_epoch(epoch, cfg.epochs)
     batches = rank_batches(order, cfg.batch_size, rank, run.topology.world_size)
     done, run.skip = run.skip, 0  # after a mid-epoch checkpoint: go on from its position
+    run.train_clock.start()
     for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.accumulate)
+        loss = train_step(
+            run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.accumulate, cfg.label_smoothing
+        )
+        if run.scheduler_per_step:
+            run.scheduler.step()
         window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
@@ -199,6 +215,9 @@ def run_epoch(run: Run, epoch: int) -> None:
             window_losses = []
         run.progress.step()
         between_steps(run, epoch, position)
+        if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0 and evaluate_now(run):
+            break  # the target is reached
+    run.train_clock.stop()
     if window_losses:  # the epoch's last steps, short of a full window
         check_finite(torch.stack(window_losses), run.step, rank)
     run.throughput.pause()
@@ -228,6 +247,7 @@ def train_step(
     precision: Precision,
     mark: Callable[[str], None],
     accumulate: int = 1,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
@@ -236,7 +256,7 @@ def train_step(
     communication backward did not hide.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, x, y, precision, accumulate, lambda: mark("forward_backward"))
+    loss = accumulate_gradients(model, x, y, precision, accumulate, label_smoothing, lambda: mark("forward_backward"))
     mark("comm_wait")
     precision.scaler.step(optimizer)
     precision.scaler.update()
@@ -245,7 +265,13 @@ def train_step(
 
 
 def accumulate_gradients(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: Precision, parts: int, compute_done: Callable
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: Precision,
+    parts: int,
+    label_smoothing: float,
+    compute_done: Callable,
 ) -> torch.Tensor:
     """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
 
@@ -259,29 +285,58 @@ def accumulate_gradients(
         with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             with precision.autocast():
                 logits = model(xs)
-                loss = F.cross_entropy(logits, ys.to(logits.device)) / parts  # split mode ends on another device
+                # split mode ends on another device
+                loss = F.cross_entropy(logits, ys.to(logits.device), label_smoothing=label_smoothing) / parts
             with compute_ends(model, compute_done) if last else nullcontext():
                 precision.scaler.scale(loss).backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()
 
 
-def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
-    """Test loss and accuracy, the scheduler's step, and (rank 0) the scalars and the checkpoint."""
-    with run.precision.autocast():
-        run.test_loss, run.test_accuracy = evaluate(
-            unwrap(run.model),
-            run.test_x,
-            run.test_y,
-            run.cfg.test_batch_size,
-            run.topology.rank,
-            run.topology.world_size,
+def evaluate_now(run: Run) -> bool:
+    """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
+    rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
+    run.throughput.pause()  # the next step starts its clock again
+    with run.train_clock.paused():
+        run.eval_clock.start()
+        with run.precision.autocast():
+            run.test_loss, run.test_accuracy = evaluate(
+                unwrap(run.model),
+                run.test_x,
+                run.test_y,
+                run.cfg.test_batch_size,
+                run.topology.rank,
+                run.topology.world_size,
+            )
+        run.eval_clock.stop()
+    run.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
+    run.evaluated_step = run.step
+    target = run.cfg.target_accuracy
+    if target and run.test_accuracy >= target and run.steps_to_target is None:
+        run.steps_to_target, run.time_to_target_s = run.step, run.train_clock.seconds
+        log.info(
+            "target accuracy %.2f %% reached at step %d, %.1f s of training",
+            100 * target,
+            run.step,
+            run.time_to_target_s,
         )
-    run.scheduler.step()
+    if run.topology.rank == 0:
+        run.scalars.add(run.step, **{"test/loss": run.test_loss, "test/accuracy": run.test_accuracy})
+        # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
+        run.scalars.add(round(1000 * run.train_clock.seconds), **{"test/accuracy_by_train_ms": run.test_accuracy})
+    return run.steps_to_target is not None
+
+
+def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
+    """Test loss and accuracy (unless this step's model was just evaluated), the scheduler's step, and
+    (rank 0) the scalars and the checkpoint."""
+    if run.evaluated_step != run.step:
+        evaluate_now(run)
+    if not run.scheduler_per_step:
+        run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
     if run.topology.rank == 0:
-        tags = {"test/loss": run.test_loss, "test/accuracy": run.test_accuracy, "perf/epoch_time_s": epoch_seconds}
-        run.scalars.add(run.step, **tags)
+        run.scalars.add(run.step, **{"perf/epoch_time_s": epoch_seconds})
     save_checkpoint(run, epoch, 0)
     log.info(
         "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",

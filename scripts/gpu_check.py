@@ -1,31 +1,47 @@
-"""GPU check: every mode on the visible GPUs, on generated data, in one go (under 5 minutes on one GPU).
+"""GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (< 4 min, one H200).
 
+    mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
     python scripts/gpu_check.py                 # on a machine with CUDA
-    python scripts/gpu_check.py --device cpu    # the same checks on the CPU (a smoke test of this script)
+    python scripts/gpu_check.py --device cpu    # every part that can run on a CPU (a smoke test of this script)
 
-Runs single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps with dropout off
-(replicas would draw different masks), checks each exits 0, that dp, functional dp and block dp
-follow single's loss over the first steps, and prints one table: mode, images/s, final loss.
-Exits non-zero if any check fails. Needs nothing but the project installed.
+1. modes: single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps on generated
+   data with dropout off (replicas would draw different masks): each exits 0, and dp, functional dp
+   and block dp follow single's loss over the first steps.
+2. gradients: our DDP and torch DDP on 2 gloo ranks sharing one GPU (CUDA tensors,
+   so our DDP's side stream runs with real concurrency) equal one process's gradients within 1e-5.
+3. overhead: single, ddp and torch_ddp with gpus=1 (NCCL on CUDA); ddp's images/s against single's.
+4. time to accuracy: recipe=fast to --target on Fashion-MNIST (data/fashion-mnist, an ignored folder;
+   generated data when it is absent), the trainer's clock synchronising the device at every start and stop.
+
+Prints one table; exits non-zero if any check fails. Needs nothing but the project installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DataParallelMode
+from mnist_dist.parallel import DistributedDataParallel, spawn
 from mnist_dist.synthetic import write_idx
 
 AGREE_STEPS = 20
 TOLERANCE = 1e-3  # relative; cuDNN picks kernels per batch shape, so replicas differ in rounding
+GRADIENT_TOLERANCE = 1e-5  # absolute, our DDP and torch DDP against one process on the global batch
+GRADIENT_BATCH = 32
+FASHION = Path(__file__).resolve().parent.parent / "data" / "fashion-mnist"  # ignored by git: carry it
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -34,65 +50,175 @@ def losses(run_dir: Path) -> list[float]:
     return [e.value for e in events.Scalars("train/loss")]
 
 
+def train(run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
+    """One training process; its results.json (None if it failed) and, if it failed, its last error line."""
+    command = [sys.executable, "-m", "mnist_dist", *overrides, "progress=false", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        return None, f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
+    return json.loads((run_dir / "results.json").read_text()), ""
+
+
+def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
+    """Every mode of the table, on as many devices as it can use; dp variants follow single's loss."""
+    batch = 128 // gpus * gpus
+    data = (
+        f"data.root={work / 'data'}",
+        "data.mirrors=[]",
+        f"epochs={args.epochs}",
+        f"batch_size={batch}",
+        "log_every=1",
+    )
+    rows, curves = [], {}
+    for name, mode in MODES.items():
+        mode_gpus = mode.devices(gpus)
+        run_dir = work / "runs" / name
+        results, error = train(
+            run_dir,
+            f"mode={name}",
+            f"gpus={mode_gpus}",
+            f"device={args.device}",
+            *data,
+            "model.dropout=false",
+            "log_every=1",
+        )
+        if results is None:
+            failed.append(f"{name}: {error}")
+            rows.append((name, mode_gpus, float("nan"), float("nan")))
+            continue
+        curves[name] = losses(run_dir)
+        rows.append((name, mode_gpus, results["train_images_per_s"], curves[name][-1]))
+    for name in [name for name, entry in MODES.items() if entry.schema is DataParallelMode]:
+        if name in curves and "single" in curves:
+            ours = torch.tensor(curves[name][:AGREE_STEPS])
+            reference = torch.tensor(curves["single"][:AGREE_STEPS])
+            worst = ((ours - reference).abs() / reference.abs()).max().item()
+            if worst > TOLERANCE:
+                failed.append(
+                    f"{name}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
+                    f"within the first {AGREE_STEPS} steps"
+                )
+    return rows
+
+
+def gradient_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(GRADIENT_BATCH, 1, 28, 28, generator=generator)
+    return x.to(device), torch.randint(0, 10, (GRADIENT_BATCH,), generator=generator).to(device)
+
+
+def gradients(model: torch.nn.Module, wrapped: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    for _ in range(2):  # our DDP: the first backward records the bucket plan, the second runs on it
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(wrapped(x), y).backward()
+    return {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
+
+
+def gradient_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
+    """Both wrappers on this rank's half of the batch; every rank on the same device (cuda:0 or cpu)."""
+    dist.init_process_group("gloo")  # gloo all-reduces CUDA tensors too: two ranks can share one GPU
+    device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
+    x, y = (t.chunk(world_size)[rank] for t in gradient_batch(device))
+    found = {}
+    for name, wrap in (("ddp", DistributedDataParallel), ("torch_ddp", TorchDDP)):
+        torch.manual_seed(0)
+        model = ConvNet(dropout=False).to(device)
+        found[name] = gradients(model, wrap(model), x, y)
+    torch.save(found, os.path.join(out, f"gradients_{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_gradients(device_type: str, work: Path, failed: list[str]) -> dict[str, float]:
+    """Largest gradient difference of each wrapper (2 ranks) from one process on the whole batch."""
+    device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
+    torch.manual_seed(0)
+    model = ConvNet(dropout=False).to(device)
+    expected = gradients(model, model, *gradient_batch(device))
+    spawn(gradient_worker, 2, device_type, str(work))
+    worst = {}
+    for rank in range(2):
+        for name, found in torch.load(work / f"gradients_{rank}.pt").items():
+            difference = max((found[key] - expected[key]).abs().max().item() for key in expected)
+            worst[name] = max(worst.get(name, 0.0), difference)
+    for name, difference in worst.items():
+        if difference > GRADIENT_TOLERANCE:
+            failed.append(f"{name}: gradients differ from one process by {difference:.1e} (> {GRADIENT_TOLERANCE:g})")
+    return worst
+
+
+def check_overhead(args, work: Path, failed: list[str]) -> dict[str, float]:
+    """single, ddp and torch_ddp on one device (NCCL on CUDA, gloo on CPU): images/s of each."""
+    speeds = {}
+    data = (f"data.root={work / 'data'}", "data.mirrors=[]", f"epochs={args.epochs}", "batch_size=128")
+    for name in ("single", "ddp", "torch_ddp"):
+        results, error = train(work / "runs" / f"{name}_1", f"mode={name}", "gpus=1", f"device={args.device}", *data)
+        if results is None:
+            failed.append(f"{name} gpus=1: {error}")
+        speeds[name] = results["train_images_per_s"] if results else float("nan")
+    return speeds
+
+
+def check_time_to_accuracy(args, work: Path, failed: list[str]) -> tuple[str, dict | None]:
+    """recipe=fast to the target on Fashion-MNIST if it is there (generated data otherwise)."""
+    if (args.fashion / "train-images-idx3-ubyte.gz").exists():
+        data, where = (
+            ("data=fashion_mnist", f"data.mirrors=[{args.fashion}]", f"data.root={work / 'fashion'}"),
+            "Fashion-MNIST",
+        )
+    else:
+        # batch 64: enough steps on the small generated set for OneCycle's warm-up and anneal phases
+        data = (f"data.root={work / 'data'}", "data.mirrors=[]", "batch_size=64")
+        where = f"generated data ({args.fashion} is empty)"
+    results, error = train(
+        work / "runs" / "fast",
+        "recipe=fast",
+        f"device={args.device}",
+        f"epochs={args.tta_epochs}",
+        f"target_accuracy={args.target}",
+        "eval_every_steps=47",
+        *data,
+    )
+    if results is None or results["time_to_target_s"] is None:
+        failed.append(f"recipe=fast: {error or f'did not reach {args.target:.1%} on {where}'}")
+    return where, results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--train-images", type=int, default=12_800, help="x 1 epoch / batch = steps")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--fashion", type=Path, default=FASHION, help="the four Fashion-MNIST .gz files")
+    parser.add_argument("--target", type=float, default=0.91, help="recipe=fast's target test accuracy")
+    parser.add_argument("--tta-epochs", type=int, default=3, help="recipe=fast's schedule")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if gpus == 0:
         print("gpu_check: no CUDA device is visible (use --device cpu to check the script itself)")
         return 1
-    batch = 128 // gpus * gpus
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=args.train_images, n_test=2_000)
-    # Every mode of the table, on as many devices as it can use.
-    modes = {name: mode.devices(gpus) for name, mode in MODES.items()}
-    rows, curves, failed = [], {}, []
-    for mode, mode_gpus in modes.items():
-        run_dir = work / "runs" / mode
-        command = [
-            sys.executable,
-            "-m",
-            "mnist_dist",
-            f"mode={mode}",
-            f"gpus={mode_gpus}",
-            f"device={args.device}",
-            f"data.root={work / 'data'}",
-            "data.mirrors=[]",
-            f"epochs={args.epochs}",
-            f"batch_size={batch}",
-            "model.dropout=false",
-            "log_every=1",
-            "progress=false",
-            f"hydra.run.dir={run_dir}",
-        ]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode:
-            failed.append(f"{mode}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
-            rows.append((mode, mode_gpus, float("nan"), float("nan")))
-            continue
-        results = json.loads((run_dir / "results.json").read_text())
-        curves[mode] = losses(run_dir)
-        rows.append((mode, mode_gpus, results["train_images_per_s"], curves[mode][-1]))
-    for mode in [name for name, entry in MODES.items() if entry.schema is DataParallelMode]:
-        if mode in curves and "single" in curves:
-            ours = torch.tensor(curves[mode][:AGREE_STEPS])
-            reference = torch.tensor(curves["single"][:AGREE_STEPS])
-            worst = ((ours - reference).abs() / reference.abs()).max().item()
-            if worst > TOLERANCE:
-                failed.append(
-                    f"{mode}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
-                    f"within the first {AGREE_STEPS} steps"
-                )
+    failed: list[str] = []
+    rows = check_modes(args, work, gpus, failed)
+    worst = check_gradients(args.device, work, failed)
+    speeds = check_overhead(args, work, failed)
+    where, fast = check_time_to_accuracy(args, work, failed)
     print(
-        f"\n{args.device}, {gpus} device(s), global batch {batch}, {args.epochs} epoch(s) of "
-        f"{args.train_images} generated images\n"
+        f"\n{args.device}, {gpus} device(s), {args.epochs} epoch(s) of {args.train_images} generated images\n\n"
+        "| check | devices | images/s | result |\n|---|---|---|---|"
     )
-    print("| mode | devices | images/s | final loss |\n|---|---|---|---|")
     for mode, mode_gpus, speed, loss in rows:
-        print(f"| {mode} | {mode_gpus} | {speed:,.0f} | {loss:.4f} |")
+        print(f"| {mode} | {mode_gpus} | {speed:,.0f} | final loss {loss:.4f} |")
+    for name, difference in worst.items():
+        print(f"| {name} gradients, 2 gloo ranks on one {args.device} | 1 | | max difference {difference:.1e} |")
+    for name, speed in speeds.items():
+        overhead = f"{speeds['single'] / speed - 1:+.1%} time vs single" if name != "single" else "baseline"
+        print(f"| {name} gpus=1 | 1 | {speed:,.0f} | {overhead} |")
+    if fast:
+        reached = fast["time_to_target_s"]
+        reached = f"{reached:.2f} s, {fast['steps_to_target']} steps" if reached is not None else "not reached"
+        print(f"| recipe=fast to {args.target:.1%}, {where} | 1 | {fast['train_images_per_s']:,.0f} | {reached} |")
     print("\n" + ("\n".join(f"FAILED {line}" for line in failed) if failed else "all checks passed"))
     return 1 if failed else 0
 

@@ -207,7 +207,9 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
     # The script exists for machines with GPUs; on the CPU its own logic (runs, comparison, table) is checked.
     script = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--train-images", "640", "--epochs", "1"],
+        # --fashion at an empty folder: recipe=fast runs on the generated data, to a target it reaches.
+        [sys.executable, str(script), "--device", "cpu", "--train-images", "640", "--epochs", "1"]
+        + ["--fashion", str(tmp_path), "--target", "0.5", "--tta-epochs", "2"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -222,5 +224,11 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
         "split",
         "ddp",
         "torch_ddp",
+        "ddp gradients, 2 gloo ranks on one cpu",
+        "torch_ddp gradients, 2 gloo ranks on one cpu",
+        "single gpus=1",
+        "ddp gpus=1",
+        "torch_ddp gpus=1",
+        "recipe=fast to 50.0%, generated data (" + str(tmp_path) + " is empty)",
     ]
     assert result.stdout.strip().endswith("all checks passed")

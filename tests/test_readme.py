@@ -22,18 +22,19 @@ def test_embed_replaces_only_the_marked_block():
         embed(readme, "bench.md", "x")
 
 
-def test_the_readme_has_both_blocks_and_the_command_refreshes_them(tmp_path):
-    for name in ("bench", "compare"):
+def test_the_readme_has_the_blocks_and_the_command_refreshes_them(tmp_path):
+    for name in ("bench", "compare", "tta"):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.md").write_text(f"machine: test\n\n| {name} |\n")
-        (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG")
+        if name != "tta":  # the time-to-accuracy table comes without a chart
+            (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG")
     (tmp_path / "docs").mkdir()
     readme = tmp_path / "README.md"
     readme.write_text(README.read_text())
-    assert (
-        main(["--bench", str(tmp_path / "bench"), "--compare", str(tmp_path / "compare"), "--readme", str(readme)]) == 0
-    )
+    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta")]
+    assert main([*dirs, "--readme", str(readme)]) == 0
     text = readme.read_text()
+    assert "<!-- begin tta.md -->\nmachine: test\n\n| tta |\n<!-- end tta.md -->" in text
     assert "<!-- begin bench.md -->\nmachine: test\n\n| bench |\n<!-- end bench.md -->" in text
     assert "<!-- begin compare.md -->\nmachine: test\n\n| compare |\n<!-- end compare.md -->" in text
     assert (tmp_path / "docs" / "compare.png").read_bytes() == b"\x89PNG"

@@ -1,0 +1,131 @@
+"""Time to accuracy: an exact evaluation every eval_every_steps, a stop at target_accuracy, and the fast recipe."""
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import FASHION, compose_config, events, scalars
+
+from mnist_dist import time_to_accuracy as tta
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.launch import launch
+
+
+class TinyMLP(torch.nn.Sequential):
+    """Milliseconds per step: these tests count evaluations, not convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+class TrainModeMLP(TinyMLP):
+    """Refuses to train in eval mode: BatchNorm and dropout would then behave as at test time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.training or not torch.is_grad_enabled(), "a training step ran in eval mode"
+        return super().forward(x)
+
+
+def results_of(make_config, run_dir, *overrides) -> dict:
+    run_dir.mkdir()
+    tiny = ("epochs=3", "batch_size=64", "model._target_=test_time_to_accuracy.TinyMLP", "~model.dropout")
+    launch(make_config(*tiny, *overrides), run_dir)
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_config, tmp_path):
+    # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it.
+    reached = results_of(make_config, tmp_path / "reached", "target_accuracy=0.3", "eval_every_steps=4")
+    tb = events(tmp_path / "reached", 0)
+    evaluated = [(e.step, e.value) for e in tb.Scalars("test/accuracy")]
+    first = next(step for step, accuracy in evaluated if accuracy >= 0.3)
+    assert reached["steps_to_target"] == first and first % 4 == 0 and first < 30
+    assert reached["steps"] == first  # no step after the target
+    assert 0 < reached["time_to_target_s"] <= reached["train_time_s"]
+    assert reached["eval_time_s"] > 0
+    # The same accuracies against training time only: evaluation does not move this axis.
+    timed = tb.Scalars("test/accuracy_by_train_ms")
+    assert [e.value for e in timed] == [accuracy for _, accuracy in evaluated]
+    assert all(a.step < b.step for a, b in zip(timed, timed[1:]))
+
+    # Evaluations in mid-epoch hand the model back in training mode (TrainModeMLP checks every step).
+    trains = "model._target_=test_time_to_accuracy.TrainModeMLP"
+    missed = results_of(
+        make_config, tmp_path / "missed", trains, "target_accuracy=1", "eval_every_steps=7", "optim.lr=1e-4"
+    )
+    assert missed["steps_to_target"] is None and missed["time_to_target_s"] is None
+    assert missed["steps"] == 30
+    steps = [e.step for e in events(tmp_path / "missed", 0).Scalars("test/accuracy")]
+    assert steps == [7, 10, 14, 20, 21, 28, 30]  # every 7 steps, and at every epoch's end
+
+
+def test_bad_target_settings_are_one_line(make_config):
+    for override, message in [
+        ("target_accuracy=1.5", "target_accuracy=1.5 must be a fraction in [0, 1], e.g. 0.91"),
+        ("eval_every_steps=-1", "eval_every_steps=-1 must be 0 (epoch ends only) or more"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(make_config(override))
+
+
+def test_recipes_classic_is_the_defaults_and_fast_chooses_its_groups(make_config):
+    assert make_config("recipe=classic") == make_config()
+    fast = make_config("recipe=fast", "batch_size=128")  # the command line still wins over the recipe
+    assert (fast.recipe, fast.batch_size, fast.label_smoothing) == ("fast", 128, 0.1)
+    assert fast.model["_target_"] == "mnist_dist.model.FastNet"
+    assert fast.scheduler["max_lr"] == fast.optim["lr"]
+
+
+def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
+    (tmp_path / "run").mkdir()
+    tiny = ("model._target_=test_time_to_accuracy.TinyMLP", "~model.widths")  # the schedule is what counts
+    launch(make_config("recipe=fast", *tiny, "epochs=2", "batch_size=64", "log_every=1"), tmp_path / "run")
+    lr = scalars(tmp_path / "run", 0)["train/lr"]
+    assert len(lr) == 20
+    peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
+    assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
+
+
+def test_time_to_accuracy_table_medians_worst_misses_and_targets():
+    def run(seconds, accuracy, steps=300):
+        reached = seconds is not None
+        return {"time_to_target_s": seconds, "steps_to_target": steps if reached else None, "test_accuracy": accuracy}
+
+    samples = {
+        "single": [run(40.0, 0.911), run(50.0, 0.912), run(45.0, 0.913)],
+        "ddp": [run(48.0, 0.910), run(55.0, 0.911), run(58.5, 0.915)],  # ratios 1.2, 1.1, 1.3
+        "torch_ddp": [run(50.0, 0.910), run(None, 0.905), run(52.0, 0.911)],
+    }
+    result = tta.summarize(samples)
+    assert result["cases"]["single"]["median_s"] == 45.0 and result["cases"]["single"]["worst_s"] == 50.0
+    assert result["single_met"] and result["ddp_ratio"] == pytest.approx(1.2) and result["ddp_met"]
+    assert result["cases"]["torch_ddp"]["reached"] == 2 and result["cases"]["torch_ddp"]["worst_s"] is None
+    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
+    info.update(memory_gib=23.5, torch="2.14.1")
+    settings = {"target": 0.91, "dataset": "fashion_mnist", "device": "cpu", "gpus": 2, "eval_every": 47, "seeds": 3}
+    table = tta.markdown({**result, "classic_seconds": 45.0, "classic_accuracy": 0.84}, settings, info, "1.0 0.5 0.2")
+    assert "; load average 1.0 0.5 0.2 (1, 5, 15 min)" in table.splitlines()[0]
+    assert "| single | 3/3 | 45.0 | 50.0 | 300 | 91.10% – 91.30% (mean 91.20%) |" in table
+    assert "| torch_ddp | 2/3 | 51.0 | not reached |" in table
+    assert "| single reaches 91.0% within 60 s | worst 50.0 s | yes |" in table
+    assert "| ddp within 1.3x single's time | 1.20x (median of per-seed ratios) | yes |" in table
+    assert "recipe=classic (seed 1) after the same 45.0 s of training (fast single's median): 84.00%" in table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
+def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch(tmp_path):
+    # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and ddp's
+    # every rank stops at the same step (evaluation is a collective).
+    for mode in ("single", "ddp"):
+        run_dir = tmp_path / mode
+        run_dir.mkdir()
+        fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
+        cfg = compose_config(tmp_path / "data", *fashion, f"mode={mode}", "gpus=2", "target_accuracy=0.89")
+        cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
+        launch(cfg, run_dir)
+        results = json.loads((run_dir / "results.json").read_text())
+        assert results["test_accuracy"] >= 0.89, mode
+        assert results["steps"] == results["steps_to_target"] <= 234, mode
+        assert results["world_size"] == (2 if mode == "ddp" else 1)
