@@ -26,6 +26,7 @@ RANK0_TAGS = RANK_TAGS | {
     "perf/epoch_time_s",
     "test/loss",
     "test/accuracy",
+    "test/accuracy_by_train_ms",  # the same accuracies against training milliseconds
     "results/images_per_s",
 }
 
