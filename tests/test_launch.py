@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -113,6 +114,13 @@ def test_profile_writes_a_chrome_trace_per_rank_with_backward_and_all_reduce(uni
         }
         assert "autograd::engine::evaluate_function: ConvolutionBackward0" in names, rank
         assert "gloo:all_reduce" in names, rank
+    # ... and the README's picture of a step is drawn from them
+    plot_trace = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "plot_trace.py"))
+    length, bars = plot_trace["step_events"](uninterrupted / "trace_rank0.json", 7)
+    assert bars["backward"] and bars["all-reduce"] and bars["optimizer"]
+    assert all(0 <= start <= length for start, _ in bars["all-reduce"])
+    assert plot_trace["main"]([str(uninterrupted), str(uninterrupted / "step.png")]) == 0
+    assert (uninterrupted / "step.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
