@@ -204,6 +204,7 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
         "split",
         "ddp",
         "torch_ddp",
+        "fsdp",
         "ddp gradients, 2 gloo ranks on one cpu",
         "torch_ddp gradients, 2 gloo ranks on one cpu",
         "single gpus=1",
@@ -211,4 +212,6 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
         "torch_ddp gpus=1",
         "recipe=fast to 50.0%, generated data (" + str(tmp_path) + " is empty)",
     ]
+    timed = [row.split(" | ")[2] for row in table[1:] if "gradients" not in row]
+    assert all(float(speed.replace(",", "")) > 0 for speed in timed), table  # some steps after warm-up
     assert result.stdout.strip().endswith("all checks passed")
