@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mnist_dist.synthetic import write_idx
 
@@ -45,3 +46,12 @@ def tiny_root(tmp_path_factory) -> Path:
 def make_config(tiny_root):
     """make_config("mode=ddp", ...) -> compose_config on the tiny data."""
     return lambda *overrides: compose_config(tiny_root, *overrides)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone: code that needs one (fully_shard, SyncBatchNorm) runs
+    in-process, in a second, instead of in spawned ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import compose_config, scalars
 from torch import nn
 
@@ -48,14 +47,6 @@ def test_state_bytes_counts_parameters_gradients_and_optimizer_state_once():
     model(torch.ones(2, 10)).sum().backward()
     optimizer.step()
     assert state_bytes(model, optimizer) == 3 * 110 * 4  # weights, gradients, momentum
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A process group of this process alone: fully_shard runs in-process, in a second."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_bf16_knobs_compute_in_bf16_and_keep_fp32_shards(one_rank):

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import compose_config, scalars
 from torch import nn
 
@@ -111,13 +110,6 @@ def test_sync_batchnorm_on_cpu_is_a_config_error(make_config, tmp_path):
         "CPU tensors; use mode.sync_batchnorm=false on CPU"
     )
     assert not list(tmp_path.iterdir())  # refused before anything was written
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_sync_batchnorm_converts_the_layers_and_is_refused_on_cpu_by_torch(one_rank):
