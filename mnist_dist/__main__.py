@@ -29,8 +29,8 @@ from mnist_dist.config import Config, ConfigError, describe_hydra_error, validat
 from mnist_dist.data import DataError
 from mnist_dist.errors import describe_os_error, last_resort, rank_log
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.step import TrainingDiverged
 from mnist_dist.topology import launched_rank
-from mnist_dist.train import TrainingDiverged
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")

@@ -27,6 +27,7 @@ import torch
 
 from mnist_dist import machine, time_to_accuracy
 from mnist_dist.metrics import state_bytes
+from mnist_dist.results import train_in_subprocess
 from mnist_dist.synthetic import write_idx
 
 matplotlib.use("Agg")
@@ -214,11 +215,7 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
             str(settings["warmup"]),
         ]
         return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    run_dir = work / "runs" / f"{case}_{round_}"
-    command = [
-        sys.executable,
-        "-m",
-        "mnist_dist",
+    overrides = [
         *CASES[case],
         f"gpus={settings['gpus']}",
         f"device={settings['device']}",
@@ -227,13 +224,11 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
         "epochs=1",
         f"batch_size={settings['batch']}",
         f"warmup_steps={settings['warmup']}",
-        "progress=false",
-        f"hydra.run.dir={run_dir}",
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        sys.exit(f"bench: {case} failed: {result.stderr.strip().splitlines()[-1]}")
-    results = json.loads((run_dir / "results.json").read_text())
+    try:
+        results = train_in_subprocess(overrides, work / "runs" / f"{case}_{round_}")
+    except RuntimeError as error:
+        sys.exit(f"bench: {case} failed: {error}")
     return {
         "images_per_s": results["train_images_per_s"],
         "peak_rss_mib": results["peak_rss_mib"],

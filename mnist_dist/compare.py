@@ -57,7 +57,7 @@ SPREAD_WARNING = 0.10
 
 def loss_curve(run_dir: Path) -> dict[int, float]:
     """Rank 0's global training loss by optimizer step."""
-    events = EventAccumulator(str(tb_dir(run_dir, 0)))
+    events = EventAccumulator(str(tb_dir(run_dir)))
     events.Reload()
     return {e.step: e.value for e in events.Scalars("train/loss_global")}
 

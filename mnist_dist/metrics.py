@@ -1,20 +1,20 @@
-"""Honest numbers: synchronised timing without warm-up, per-rank TensorBoard scalars, global reductions.
+"""Honest numbers: synchronised timing without warm-up, TensorBoard scalars, global reductions.
 
-Tag names are stable, so runs of every mode overlay in TensorBoard. Rank 0 writes ``<run>/tb``, the
-one TensorBoard run per training run that comparisons need; rank r > 0 writes ``<run>/tb/rank_<r>``,
-which only the per-rank charts show (and which the run filter ``tb$`` hides):
+One TensorBoard run per training run, ``<run>/tb``, written by rank 0 alone: every log window the
+ranks gather their numbers to it (one collective), so a sweep lists one run per mode, a resume purges
+one event stream, and a node without a shared disk has nothing of TensorBoard to lose. Tag names are
+stable, so runs of every mode overlay:
 
-- every rank: ``train/loss``, ``perf/images_per_s``, and where a step's time goes:
-  ``time/data_ms`` (indexing the batch), ``time/forward_backward_ms``, ``time/comm_wait_ms``
-  (ddp: time our DDP waits for its all-reduces at the end of backward, i.e. communication not
-  hidden behind compute),
-  ``time/optimizer_ms``
-- rank 0 also: ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
+- ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
   ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy`` (at every evaluation: epoch ends, and every
   ``eval_every_steps``), ``test/accuracy_by_train_ms`` (the same accuracies with training milliseconds,
   evaluation left out, as the x axis: modes compare by time), ``results/images_per_s`` (the run's
   average, at the end), the run's hyperparameters for the HPARAMS tab, and ``LAYOUT`` for the
-  CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section.
+  CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section;
+- for every rank r, under ``rank_<r>/``: ``train/loss`` (its own share of the batch),
+  ``perf/images_per_s``, and where a step's time goes: ``time/data_ms`` (indexing the batch),
+  ``time/forward_backward_ms``, ``time/comm_wait_ms`` (ddp: time our DDP waits for its all-reduces at
+  the end of backward, i.e. communication not hidden behind compute), ``time/optimizer_ms``.
 
 The x axis is the optimizer step, which means the same global batch in every mode.
 """
@@ -35,11 +35,11 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-# CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). Only rank 0 writes the
-# global tags, so the open charts hold one line per run, i.e. per mode in a sweep.
+# CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
+# global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
 LAYOUT = [
     (
-        "compare runs (rank 0: global numbers)",
+        "compare runs (global numbers)",
         True,
         [
             ("training loss, mean over ranks", r"^train/loss_global$"),
@@ -53,18 +53,18 @@ LAYOUT = [
         "per rank (every rank of every run)",
         False,
         [
-            ("training loss on this rank's share", r"^train/loss$"),
-            ("images/s of this rank", r"^perf/images_per_s$"),
-            ("where a sampled step's time goes (ms)", r"^time/"),
+            ("training loss on each rank's share", r"^rank_\d+/train/loss$"),
+            ("images/s of each rank", r"^rank_\d+/perf/images_per_s$"),
+            ("where a sampled step's time goes (ms)", r"^rank_\d+/time/"),
         ],
     ),
     ("schedule", False, [("learning rate", r"^train/lr$"), ("epoch time (s)", r"^perf/epoch_time_s$")]),
 ]
 
 
-def tb_dir(run_dir: Path, rank: int) -> Path:
-    """Rank 0's TensorBoard run is ``<run>/tb``; other ranks nest below it, out of the comparison."""
-    return run_dir / "tb" if rank == 0 else run_dir / "tb" / f"rank_{rank}"
+def tb_dir(run_dir: Path) -> Path:
+    """The training run's one TensorBoard run, written by rank 0."""
+    return run_dir / "tb"
 
 
 def custom_scalars_summary() -> Summary:
@@ -94,15 +94,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _collective_tensor(values: list[float]) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return tensor.cuda() if dist.get_backend() == "nccl" else tensor
+
+
 def all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
     """Reduces a few numbers across ranks (a no-op in one process)."""
     if not dist.is_initialized():
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
+    tensor = _collective_tensor(values)
     dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def all_gather(values: list[float]) -> list[list[float]]:
+    """Every rank's few numbers, by rank, on every rank (``[values]`` in one process)."""
+    if not dist.is_initialized():
+        return [values]
+    tensor = _collective_tensor(values)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return [t.tolist() for t in gathered]
+
+
+def job_images_per_s(windows: list[tuple[float, float]]) -> float:
+    """The job's images/s from every rank's (images, seconds): all the images over the slowest rank's time.
+
+    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
+    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
+    """
+    slowest = max(seconds for _, seconds in windows)
+    return sum(images for images, _ in windows) / slowest if slowest else 0.0
 
 
 class Throughput:
@@ -230,15 +253,18 @@ class StepTimer:
 
 
 class Scalars:
-    """This rank's TensorBoard directory, ``tb_dir(run_dir, rank)``; rank 0 adds the chart layout."""
+    """The run's TensorBoard directory, ``tb_dir(run_dir)``, with the chart layout; written on rank 0,
+    a no-op on the other ranks (they gather their numbers to rank 0)."""
 
     def __init__(self, run_dir: Path, rank: int, purge_step: int | None = None) -> None:
-        self.writer = SummaryWriter(str(tb_dir(run_dir, rank)), purge_step=purge_step)
-        if rank == 0:
+        self.writer = SummaryWriter(str(tb_dir(run_dir)), purge_step=purge_step) if rank == 0 else None
+        if self.writer is not None:
             self.writer.file_writer.add_summary(custom_scalars_summary())
 
     def add(self, step: int, **tags: float) -> None:
-        """``add(10, **{"train/loss": 0.3})``: one scalar per tag at optimizer step ``step``."""
+        """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
+        if self.writer is None:
+            return
         for tag, value in tags.items():
             self.writer.add_scalar(tag, value, step)
 
@@ -248,11 +274,14 @@ class Scalars:
         Written into this directory (SummaryWriter.add_hparams would open a new one), so the metrics
         are the scalars already logged here.
         """
+        if self.writer is None:
+            return
         for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
             self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

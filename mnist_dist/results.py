@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, fsdp, machine
-from mnist_dist.metrics import all_reduce
+from mnist_dist.metrics import all_gather, job_images_per_s
 
 if TYPE_CHECKING:
     from mnist_dist.train import Run
@@ -36,17 +40,15 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "time_to_target_s": run.time_to_target_s,
         "train_time_s": run.train_clock.seconds,
         "eval_time_s": run.eval_clock.seconds,
-        "train_images_per_s": global_images_per_s(run.throughput.total_images, run.throughput.total_seconds),
+        "train_images_per_s": job_images_per_s(all_gather([run.throughput.total_images, run.throughput.total_seconds])),
         "wall_time_s": wall_time_s,
         "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
-        "peak_rss_mib": per_rank(peak_rss_mib(), topology.rank, topology.world_size),
-        "cuda_max_allocated_mib": per_rank(
-            torch.cuda.max_memory_allocated() / 2**20, topology.rank, topology.world_size
-        )
+        "peak_rss_mib": per_rank(peak_rss_mib()),
+        "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20)
         if topology.device_type == "cuda"
         else None,
         # Parameters, gradients and optimizer state held after a step, counted from their storage: shards in fsdp.
-        "model_state_mib": per_rank(run.state_bytes / 2**20, topology.rank, topology.world_size),
+        "model_state_mib": per_rank(run.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
     model_state = fsdp.model_state(run.model)  # a collective in fsdp
@@ -64,23 +66,21 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return results
 
 
-def global_images_per_s(images: float, seconds: float) -> float:
-    """The job's images/s: every rank's images over the slowest rank's time (a collective: all ranks call).
-
-    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
-    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
-    """
-    (total,) = all_reduce([images])
-    (slowest,) = all_reduce([seconds], op=dist.ReduceOp.MAX)
-    return total / slowest if slowest else 0.0
-
-
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def per_rank(value: float, rank: int, world_size: int) -> list[float]:
+def per_rank(value: float) -> list[float]:
     """Every rank's ``value``, by rank (a collective: all ranks call)."""
-    slots = [0.0] * world_size
-    slots[rank] = value
-    return all_reduce(slots)
+    return [value for (value,) in all_gather([value])]
+
+
+def train_in_subprocess(overrides: list[str], run_dir: Path) -> dict:
+    """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, without a bar; its
+    results.json. A failed run raises RuntimeError with its exit status and last error line."""
+    command = [sys.executable, "-m", "mnist_dist", *overrides, "progress=false", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or ["no error output"])[-1]
+        raise RuntimeError(f"exit {result.returncode}: {last}")
+    return json.loads((run_dir / "results.json").read_text())

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist import machine
+from mnist_dist.metrics import tb_dir
+from mnist_dist.results import train_in_subprocess
 
 CASES = {"single": ["mode=single"], "ddp": ["mode=ddp"], "torch_ddp": ["mode=torch_ddp"]}
 SINGLE_SECONDS_TARGET = 60.0  # issue 17: single reaches the target within a minute of training (2-core CPU)
@@ -37,28 +38,22 @@ def loadavg() -> str:
 
 def train(overrides: list[str], run_dir: Path, settings: dict) -> dict:
     """One training process; its results.json."""
-    command = [
-        sys.executable,
-        "-m",
-        "mnist_dist",
-        *overrides,
+    where = [
         f"gpus={settings['gpus']}",
         f"device={settings['device']}",
         f"data={settings['dataset']}",
         f"data.mirrors=[{settings['data']}]",
         f"data.root={settings['work'] / 'data'}",
-        "progress=false",
-        f"hydra.run.dir={run_dir}",
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        sys.exit(f"bench: {' '.join(overrides)} failed: {result.stderr.strip().splitlines()[-1:]}")
-    return json.loads((run_dir / "results.json").read_text())
+    try:
+        return train_in_subprocess([*overrides, *where], run_dir)
+    except RuntimeError as error:
+        sys.exit(f"bench: {' '.join(overrides)} failed: {error}")
 
 
 def accuracy_at(run_dir: Path, seconds: float) -> float | None:
     """The last test accuracy evaluated within ``seconds`` of training (test/accuracy_by_train_ms)."""
-    events = EventAccumulator(str(run_dir / "tb"))
+    events = EventAccumulator(str(tb_dir(run_dir)))
     events.Reload()
     within = [e.value for e in events.Scalars("test/accuracy_by_train_ms") if e.step <= 1000 * seconds]
     return within[-1] if within else None

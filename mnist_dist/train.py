@@ -2,7 +2,8 @@
 
 It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the
 network: the parent prepared the data before this process existed. A resumed run reads its checkpoint
-once, in ``train``; ``build`` puts the weights into the plain model and ``restore`` the rest.
+once, in ``train``; ``build`` puts the weights into the plain model and ``restore`` the rest. What one
+step computes (the optimizer step, evaluation) is in mnist_dist/step.py; this module runs the loop.
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
@@ -28,12 +26,13 @@ from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
-from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_reduce, state_bytes
+from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
 from mnist_dist.modes import wrap_model
-from mnist_dist.parallel import compute_ends, unwrap
+from mnist_dist.parallel import unwrap
 from mnist_dist.precision import Precision
-from mnist_dist.results import finish, global_images_per_s
-from mnist_dist.sharding import epoch_order, eval_shard, rank_batches, steps_per_epoch
+from mnist_dist.results import finish
+from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
+from mnist_dist.step import check_finite, evaluate, train_step
 from mnist_dist.topology import Topology, setup_process
 
 log = logging.getLogger("mnist_dist")
@@ -239,60 +238,6 @@ def between_steps(run: Run, epoch: int, position: int) -> None:
         )
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    precision: Precision,
-    mark: Callable[[str], None],
-    accumulate: int = 1,
-    label_smoothing: float = 0.0,
-) -> torch.Tensor:
-    """One optimizer step on this rank's share of the global batch; returns its loss.
-
-    ``mark(phase)`` ends a phase for the step timer. Our DDP ends forward_backward where its compute
-    ends, just before it waits for the all-reduces at the end of backward, so comm_wait is the
-    communication backward did not hide.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, x, y, precision, accumulate, label_smoothing, lambda: mark("forward_backward"))
-    mark("comm_wait")
-    precision.scaler.step(optimizer)
-    precision.scaler.update()
-    mark("optimizer")
-    return loss
-
-
-def accumulate_gradients(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    precision: Precision,
-    parts: int,
-    label_smoothing: float,
-    compute_done: Callable,
-) -> torch.Tensor:
-    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
-
-    Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
-    share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
-    both DDPs decide at forward whether its backward syncs (pytorch/pytorch#43201).
-    """
-    losses = []
-    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
-        last = i == parts - 1
-        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
-            with precision.autocast():
-                logits = model(xs)
-                # split mode ends on another device
-                loss = F.cross_entropy(logits, ys.to(logits.device), label_smoothing=label_smoothing) / parts
-            with compute_ends(model, compute_done) if last else nullcontext():
-                precision.scaler.scale(loss).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses).sum()
-
-
 def evaluate_now(run: Run) -> bool:
     """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
     rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
@@ -320,10 +265,9 @@ def evaluate_now(run: Run) -> bool:
             run.step,
             run.time_to_target_s,
         )
-    if run.topology.rank == 0:
-        run.scalars.add(run.step, **{"test/loss": run.test_loss, "test/accuracy": run.test_accuracy})
-        # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
-        run.scalars.add(round(1000 * run.train_clock.seconds), **{"test/accuracy_by_train_ms": run.test_accuracy})
+    run.scalars.add(run.step, **{"test/loss": run.test_loss, "test/accuracy": run.test_accuracy})  # rank 0 writes
+    # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
+    run.scalars.add(round(1000 * run.train_clock.seconds), **{"test/accuracy_by_train_ms": run.test_accuracy})
     return run.steps_to_target is not None
 
 
@@ -335,8 +279,7 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
     if not run.scheduler_per_step:
         run.scheduler.step()
     epoch_seconds = time.perf_counter() - epoch_started
-    if run.topology.rank == 0:
-        run.scalars.add(run.step, **{"perf/epoch_time_s": epoch_seconds})
+    run.scalars.add(run.step, **{"perf/epoch_time_s": epoch_seconds})  # rank 0 writes
     save_checkpoint(run, epoch, 0)
     log.info(
         "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
@@ -370,57 +313,24 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
         checkpoint.save_kept(state, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
-) -> tuple[float, float]:
-    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
-    model.eval()
-    share = eval_shard(len(x), rank, world_size)
-    loss_sum, correct = 0.0, 0
-    # As many forwards on every rank, the last ones empty where a share is shorter: fsdp gathers
-    # parameters in each, and a rank that stopped early would leave the others waiting.
-    for start in range(share.start, share.start + -(-len(x) // world_size), batch_size):
-        stop = min(start + batch_size, share.stop)
-        logits = model(x[start:stop])
-        labels = y[start:stop].to(logits.device)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
-    loss_sum, correct = all_reduce([loss_sum, correct])
-    return loss_sum / len(x), correct / len(x)
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became nan or inf; the message names the step."""
-
-
-def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one."""
-    bad = (~torch.isfinite(losses)).nonzero()
-    if len(bad):
-        first = bad[0].item()
-        raise TrainingDiverged(
-            f"the training loss is {losses[first].item()} at step "
-            f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
-            "data, or resume from the last checkpoint"
-        )
-    return losses
-
-
 def log_window(run: Run, loss: float) -> None:
-    """Per-rank scalars on every rank; rank 0 adds the cross-rank numbers (a collective: all ranks call)."""
+    """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
     images, seconds = run.throughput.lap() or (0, 0.0)
-    tags = {"train/loss": loss, **{f"time/{phase}_ms": ms for phase, ms in run.timer.lap().items()}}
-    if seconds:
-        tags["perf/images_per_s"] = images / seconds
-    (global_loss,) = all_reduce([loss])
-    rate = global_images_per_s(images, seconds)
-    if run.topology.rank == 0:
-        global_loss /= run.topology.world_size
-        tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})
-        if rate:
-            tags["perf/images_per_s_global"] = rate
-        run.progress.numbers(global_loss, rate)
+    gathered = all_gather([loss, images, seconds, *run.timer.lap().values()])
+    if run.topology.rank != 0:
+        return
+    tags = {}
+    for rank, (rank_loss, rank_images, rank_seconds, *phases_ms) in enumerate(gathered):
+        tags[f"rank_{rank}/train/loss"] = rank_loss
+        if rank_seconds:
+            tags[f"rank_{rank}/perf/images_per_s"] = rank_images / rank_seconds
+        tags.update({f"rank_{rank}/time/{phase}_ms": ms for phase, ms in zip(StepTimer.PHASES, phases_ms, strict=True)})
+    global_loss = sum(values[0] for values in gathered) / len(gathered)
+    rate = job_images_per_s([(values[1], values[2]) for values in gathered])
+    tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})
+    if rate:
+        tags["perf/images_per_s_global"] = rate
+    run.progress.numbers(global_loss, rate)
     run.scalars.add(run.step, **tags)
 
 

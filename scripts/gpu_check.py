@@ -19,9 +19,7 @@ Prints one table; exits non-zero if any check fails. Needs nothing but the proje
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +30,11 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from mnist_dist.metrics import tb_dir
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DataParallelMode
 from mnist_dist.parallel import DistributedDataParallel, spawn
+from mnist_dist.results import train_in_subprocess
 from mnist_dist.synthetic import write_idx
 
 AGREE_STEPS = 20
@@ -45,18 +45,18 @@ FASHION = Path(__file__).resolve().parent.parent / "data" / "fashion-mnist"  # i
 
 
 def losses(run_dir: Path) -> list[float]:
-    events = EventAccumulator(str(run_dir / "tb"))  # rank 0: mnist_dist.metrics.tb_dir
+    """The run's training loss per step, the mean over ranks."""
+    events = EventAccumulator(str(tb_dir(run_dir)))
     events.Reload()
-    return [e.value for e in events.Scalars("train/loss")]
+    return [e.value for e in events.Scalars("train/loss_global")]
 
 
 def train(run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
     """One training process; its results.json (None if it failed) and, if it failed, its last error line."""
-    command = [sys.executable, "-m", "mnist_dist", *overrides, "progress=false", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        return None, f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
-    return json.loads((run_dir / "results.json").read_text()), ""
+    try:
+        return train_in_subprocess(list(overrides), run_dir), ""
+    except RuntimeError as error:
+        return None, str(error)
 
 
 def warmup(args) -> str:

@@ -28,15 +28,15 @@ def compose_config(data_root: Path, *overrides: str):
     return OmegaConf.to_object(cfg)
 
 
-def events(run_dir: Path, rank: int) -> EventAccumulator:
-    accumulator = EventAccumulator(str(tb_dir(run_dir, rank)))
+def events(run_dir: Path) -> EventAccumulator:
+    accumulator = EventAccumulator(str(tb_dir(run_dir)))
     accumulator.Reload()
     return accumulator
 
 
-def scalars(run_dir: Path, rank: int) -> dict[str, list[float]]:
-    """Every scalar tag rank ``rank`` wrote to TensorBoard, with its values in step order."""
-    tb = events(run_dir, rank)
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    """Every scalar tag of the run's TensorBoard run (rank 0 writes every rank's), values in step order."""
+    tb = events(run_dir)
     return {tag: [e.value for e in tb.Scalars(tag)] for tag in tb.Tags()["scalars"]}
 
 

@@ -30,7 +30,7 @@ def curves(tmp_path_factory, tiny_root):
             run_dir,
         )
         recorded = json.loads((run_dir / "results.json").read_text())["mode"]
-        out[mode] = scalars(run_dir, 0)["train/loss"], torch.load(run_dir / "model.pt"), recorded
+        out[mode] = scalars(run_dir)["rank_0/train/loss"], torch.load(run_dir / "model.pt"), recorded
     return out
 
 

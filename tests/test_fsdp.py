@@ -16,7 +16,7 @@ from mnist_dist.launch import launch
 from mnist_dist.metrics import state_bytes
 from mnist_dist.model import ConvNet, ResidualBlock, ResNet
 from mnist_dist.modes import Dtype, FSDPMode
-from mnist_dist.train import evaluate
+from mnist_dist.step import evaluate
 
 # 640 tiny images at a global batch of 30 (divisible by 2 and 3 ranks): 21 steps an epoch, dropout off.
 # SGD with momentum: rounding stays at its own size (see test_train.py), and the optimizer has state
@@ -98,7 +98,7 @@ def test_fsdp_resumes_bit_exactly_into_a_plain_checkpoint(runs):
     resumed, whole = (torch.load(runs / name / "model.pt") for name in ("fsdp2", "whole"))
     assert resumed.keys() == whole.keys()
     assert all(torch.equal(resumed[k], whole[k]) for k in whole), "resumed weights differ"
-    assert scalars(runs / "fsdp2", 0)["train/loss"] == scalars(runs / "whole", 0)["train/loss"]
+    assert scalars(runs / "fsdp2")["rank_0/train/loss"] == scalars(runs / "whole")["rank_0/train/loss"]
     saved = torch.load(runs / "whole" / "checkpoint.pt", weights_only=True)
     assert saved["step"] == 42 and set(saved["optimizer"]["state"]) == set(whole)  # full, by parameter name
     ConvNet().load_state_dict(whole)  # plain keys, full tensors
@@ -115,8 +115,8 @@ def test_fsdp_evaluation_is_exact_and_scalars_are_per_rank(runs, tiny_root):
     assert results["test_accuracy"] == accuracy  # every test sample counted once, none twice
     assert results["test_loss"] == pytest.approx(loss, rel=1e-6)
     for rank in range(3):
-        assert len(scalars(runs / "fsdp3", rank)["time/comm_wait_ms"]) == 7  # 21 steps, every 3rd
-    assert "test/accuracy" in scalars(runs / "fsdp3", 0)
+        assert len(scalars(runs / "fsdp3")[f"rank_{rank}/time/comm_wait_ms"]) == 7  # 21 steps, every 3rd
+    assert "test/accuracy" in scalars(runs / "fsdp3")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ STEPS = ("epochs=1", "batch_size=32", "log_every=1")  # 640 generated images: 20
 
 def test_single_mode_follows_the_golden_curve(make_config, tmp_path):
     launch(make_config(*STEPS), tmp_path)
-    losses = scalars(tmp_path, 0)["train/loss"]
+    losses = scalars(tmp_path)["rank_0/train/loss"]
     assert len(losses) == 20
     if os.environ.get("MNIST_DIST_REGOLDEN"):
         GOLDEN.write_text(json.dumps({"overrides": STEPS, "train/loss": losses}, indent=1) + "\n")

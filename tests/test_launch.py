@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scalars
 
 from mnist_dist import checkpoint
 from mnist_dist.metrics import tb_dir
@@ -37,9 +38,11 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["mode"], results["world_size"]) == (mode, ranks)
     for rank in range(ranks):
-        assert list(tb_dir(run_dir, rank).glob("events.out.tfevents.*"))
         assert "ddp on cpu" in (run_dir / f"rank_{rank}.log").read_text()
-    assert not tb_dir(run_dir, ranks).exists()
+    # One TensorBoard run, written by rank 0, with every rank's numbers and no more.
+    assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {tb_dir(run_dir)}
+    ranks_logged = {tag.split("/")[0] for tag in scalars(run_dir) if tag.startswith("rank_")}
+    assert ranks_logged == {f"rank_{rank}" for rank in range(ranks)}
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()
     return results
 

@@ -54,7 +54,7 @@ def resnet_runs(tmp_path_factory, tiny_root):
 def test_resnet_learns_and_saves_a_plain_checkpoint(resnet_runs, mode):
     run_dir, results = resnet_runs[mode]
     assert (results["mode"], results["world_size"]) == (mode, 1 if mode == "single" else 2)
-    losses = scalars(run_dir, 0)["train/loss_global"]
+    losses = scalars(run_dir)["train/loss_global"]
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0]
     assert results["test_accuracy"] >= 0.9
     model = ResNet()

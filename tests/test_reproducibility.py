@@ -19,7 +19,7 @@ SHORT = ("epochs=3", "batch_size=64", "log_every=1")
 def run(make_config, run_dir, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(make_config(*SHORT, *overrides), run_dir)
-    return torch.load(run_dir / "model.pt"), scalars(run_dir, 0)
+    return torch.load(run_dir / "model.pt"), scalars(run_dir)
 
 
 def assert_same_weights(a, b):
@@ -54,7 +54,7 @@ def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
     # Dropout stays on: each rank's masks come from (seed, rank), so they repeat too.
     first_weights, first = run(make_config, tmp_path / "a", f"mode={mode}", "gpus=2")
     second_weights, second = run(make_config, tmp_path / "b", f"mode={mode}", "gpus=2")
-    assert first["train/loss"] == second["train/loss"] and len(first["train/loss"]) == 30
+    assert first["rank_0/train/loss"] == second["rank_0/train/loss"] and len(first["rank_0/train/loss"]) == 30
     assert first["test/accuracy"] == second["test/accuracy"]
     assert_same_weights(first_weights, second_weights)
 
@@ -73,8 +73,8 @@ def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
     launch(make_config(*SHORT, f"mode={mode}", "gpus=2", f"resume={part}/checkpoint.pt"), tmp_path / "unused")
     assert not (tmp_path / "unused").exists()  # resumed runs go on in their own directory
     assert_same_weights(torch.load(part / "model.pt"), whole_weights)
-    resumed = scalars(part, 0)
-    assert resumed["train/loss"] == whole["train/loss"]  # 30 steps, none twice, same values
+    resumed = scalars(part)
+    assert resumed["rank_0/train/loss"] == whole["rank_0/train/loss"]  # 30 steps, none twice, same values
     assert resumed["test/accuracy"] == whole["test/accuracy"]
 
 
@@ -97,7 +97,9 @@ def test_mid_epoch_resume_equals_uninterrupted(make_config, tmp_path, mode):
     (part / "checkpoint.pt").write_bytes((tmp_path / "whole" / "checkpoint.2.pt").read_bytes())
     resumed_weights, resumed = run(make_config, part, *every)
     assert_same_weights(resumed_weights, whole_weights)
-    assert resumed["train/loss"] == whole["train/loss"][15:]  # steps 16 to 20, with dropout (every rank's RNG)
+    assert (
+        resumed["rank_0/train/loss"] == whole["rank_0/train/loss"][15:]
+    )  # steps 16 to 20, with dropout (every rank's RNG)
 
 
 def cli(tmp_path, *overrides):

@@ -6,7 +6,7 @@ from helpers import compose_config, scalars
 
 from mnist_dist.launch import launch
 from mnist_dist.precision import Precision
-from mnist_dist.train import train_step
+from mnist_dist.step import train_step
 
 STEPS = ("epochs=1", "batch_size=32", "log_every=1", "model.dropout=false")
 
@@ -14,14 +14,14 @@ STEPS = ("epochs=1", "batch_size=32", "log_every=1", "model.dropout=false")
 def losses(make_config, run_dir, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(make_config(*STEPS, *overrides), run_dir)
-    return torch.tensor(scalars(run_dir, 0)["train/loss_global"])  # the mean over ranks
+    return torch.tensor(scalars(run_dir)["train/loss_global"])  # the mean over ranks
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory, tiny_root):
     run_dir = tmp_path_factory.mktemp("fp32")
     launch(compose_config(tiny_root, *STEPS), run_dir)
-    return torch.tensor(scalars(run_dir, 0)["train/loss_global"])
+    return torch.tensor(scalars(run_dir)["train/loss_global"])
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ def results_of(make_config, run_dir, *overrides) -> dict:
 def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_config, tmp_path):
     # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it.
     reached = results_of(make_config, tmp_path / "reached", "target_accuracy=0.3", "eval_every_steps=4")
-    tb = events(tmp_path / "reached", 0)
+    tb = events(tmp_path / "reached")
     evaluated = [(e.step, e.value) for e in tb.Scalars("test/accuracy")]
     first = next(step for step, accuracy in evaluated if accuracy >= 0.3)
     assert reached["steps_to_target"] == first and first % 4 == 0 and first < 30
@@ -56,7 +56,7 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
     )
     assert missed["steps_to_target"] is None and missed["time_to_target_s"] is None
     assert missed["steps"] == 30
-    steps = [e.step for e in events(tmp_path / "missed", 0).Scalars("test/accuracy")]
+    steps = [e.step for e in events(tmp_path / "missed").Scalars("test/accuracy")]
     assert steps == [7, 10, 14, 20, 21, 28, 30]  # every 7 steps, and at every epoch's end
 
 
@@ -81,7 +81,7 @@ def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     (tmp_path / "run").mkdir()
     tiny = ("model._target_=test_time_to_accuracy.TinyMLP", "~model.widths")  # the schedule is what counts
     launch(make_config("recipe=fast", *tiny, "epochs=2", "batch_size=64", "log_every=1"), tmp_path / "run")
-    lr = scalars(tmp_path / "run", 0)["train/lr"]
+    lr = scalars(tmp_path / "run")["train/lr"]
     assert len(lr) == 20
     peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50

@@ -9,9 +9,9 @@ from helpers import compose_config, events, scalars
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
-from mnist_dist.train import evaluate
+from mnist_dist.step import evaluate
 
-RANK_TAGS = {
+RANK_TAGS = {  # written by rank 0 for every rank r as rank_<r>/<tag>
     "train/loss",
     "perf/images_per_s",
     "time/data_ms",
@@ -19,7 +19,7 @@ RANK_TAGS = {
     "time/comm_wait_ms",
     "time/optimizer_ms",
 }
-RANK0_TAGS = RANK_TAGS | {
+RUN_TAGS = {
     "train/loss_global",
     "perf/images_per_s_global",
     "train/lr",
@@ -29,6 +29,10 @@ RANK0_TAGS = RANK_TAGS | {
     "test/accuracy_by_train_ms",  # the same accuracies against training milliseconds
     "results/images_per_s",
 }
+
+
+def rank_tags(world_size: int) -> set[str]:
+    return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS}
 
 
 def run(make_config, run_dir, *overrides):
@@ -43,15 +47,15 @@ def test_single_run_learns_and_writes_everything(make_config, tmp_path):
     assert (results["epochs"], results["batch_size"]) == (3, 64)
     assert results["test_accuracy"] >= 0.9 and results["train_images_per_s"] > 0
     assert results["wall_time_s"] > 0 and results["test_loss"] < 1.0
-    tb = scalars(tmp_path, 0)
-    assert set(tb) == RANK0_TAGS
-    assert len(tb["train/loss"]) == 15  # 3 epochs x 10 steps, every 2nd step
-    assert tb["train/loss"][-1] < 0.5 * tb["train/loss"][0]
-    assert tb["train/loss"] == tb["train/loss_global"]  # one rank: the global mean is its own
+    tb = scalars(tmp_path)
+    assert set(tb) == RUN_TAGS | rank_tags(1)
+    assert len(tb["rank_0/train/loss"]) == 15  # 3 epochs x 10 steps, every 2nd step
+    assert tb["rank_0/train/loss"][-1] < 0.5 * tb["rank_0/train/loss"][0]
+    assert tb["rank_0/train/loss"] == tb["train/loss_global"]  # one rank: the global mean is its own
     assert tb["test/accuracy"][-1] == results["test_accuracy"]
     assert tb["train/lr"][0] == 1.0 and tb["train/lr"][-1] == pytest.approx(0.49)  # StepLR 0.7 twice
     assert tb["results/images_per_s"] == [pytest.approx(results["train_images_per_s"])]
-    assert set(events(tmp_path, 0).PluginTagToContent("hparams")) == {
+    assert set(events(tmp_path).PluginTagToContent("hparams")) == {
         "_hparams_/experiment",
         "_hparams_/session_start_info",
         "_hparams_/session_end_info",
@@ -122,5 +126,10 @@ def test_distributed_evaluation_is_exact(twenty_steps, tiny_root):
     loss, accuracy = evaluate(model, x, y, 1000, rank=0, world_size=1)
     assert results["test_accuracy"] == accuracy  # every test sample counted once, none twice
     assert results["test_loss"] == pytest.approx(loss, rel=1e-6)
-    assert set(scalars(run_dir, 1)) == RANK_TAGS
-    assert set(scalars(run_dir, 0)) == RANK0_TAGS
+    # One TensorBoard run per training run: rank 0 writes every rank's numbers into <run>/tb.
+    assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {run_dir / "tb"}
+    tb = scalars(run_dir)
+    assert set(tb) == RUN_TAGS | rank_tags(2)
+    assert tb["rank_0/train/loss"] != tb["rank_1/train/loss"]  # each rank's own share of the batch
+    mean = [(a + b) / 2 for a, b in zip(tb["rank_0/train/loss"], tb["rank_1/train/loss"], strict=True)]
+    assert tb["train/loss_global"] == pytest.approx(mean, rel=1e-6)  # TensorBoard keeps float32

@@ -1,0 +1,109 @@
+"""What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's
+share of the global batch (with gradient accumulation), exact sharded evaluation, and the check that
+stops a diverged run. The worker's loop (mnist_dist/train.py) calls them; the tests call them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mnist_dist.metrics import all_reduce
+from mnist_dist.parallel import compute_ends
+from mnist_dist.precision import Precision
+from mnist_dist.sharding import eval_shard
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: Precision,
+    mark: Callable[[str], None],
+    accumulate: int = 1,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch; returns its loss.
+
+    ``mark(phase)`` ends a phase for the step timer. Our DDP ends forward_backward where its compute
+    ends, just before it waits for the all-reduces at the end of backward, so comm_wait is the
+    communication backward did not hide.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(model, x, y, precision, accumulate, label_smoothing, lambda: mark("forward_backward"))
+    mark("comm_wait")
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    mark("optimizer")
+    return loss
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: Precision,
+    parts: int,
+    label_smoothing: float,
+    compute_done: Callable,
+) -> torch.Tensor:
+    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
+
+    Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
+    share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
+    both DDPs decide at forward whether its backward syncs (pytorch/pytorch#43201).
+    """
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+        last = i == parts - 1
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with precision.autocast():
+                logits = model(xs)
+                # split mode ends on another device
+                loss = F.cross_entropy(logits, ys.to(logits.device), label_smoothing=label_smoothing) / parts
+            with compute_ends(model, compute_done) if last else nullcontext():
+                precision.scaler.scale(loss).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
+) -> tuple[float, float]:
+    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
+    model.eval()
+    share = eval_shard(len(x), rank, world_size)
+    loss_sum, correct = 0.0, 0
+    # As many forwards on every rank, the last ones empty where a share is shorter: fsdp gathers
+    # parameters in each, and a rank that stopped early would leave the others waiting.
+    for start in range(share.start, share.start + -(-len(x) // world_size), batch_size):
+        stop = min(start + batch_size, share.stop)
+        logits = model(x[start:stop])
+        labels = y[start:stop].to(logits.device)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(1) == labels).sum().item()
+    loss_sum, correct = all_reduce([loss_sum, correct])
+    return loss_sum / len(x), correct / len(x)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became nan or inf; the message names the step."""
+
+
+def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        first = bad[0].item()
+        raise TrainingDiverged(
+            f"the training loss is {losses[first].item()} at step "
+            f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
+            "data, or resume from the last checkpoint"
+        )
+    return losses
