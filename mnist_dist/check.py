@@ -251,7 +251,7 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch, "rank_0.json")
         try:
-            spawn(_rank_checks, RANKS, cfg, find_unused, str(out))
+            spawn(_rank_checks, RANKS, cfg, find_unused, str(out), start_method="forkserver")  # CPU ranks
         except WorkerFailed as error:
             return [("FAIL", "ddp", f"a step with our DDP or torch DDP failed: {error} (traceback above)")]
         report = json.loads(out.read_text())

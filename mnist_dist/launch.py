@@ -60,7 +60,20 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         return train(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
     log_path = str(run_dir / "rank_{rank}.log")
-    spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, topology, log_path=log_path, port=cfg.dist.port)
+    # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
+    # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
+    start = "forkserver" if topology.device_type == "cpu" else "spawn"
+    spawn(
+        _spawned_worker,
+        topology.world_size,
+        cfg,
+        run_dir,
+        data_dir,
+        topology,
+        log_path=log_path,
+        port=cfg.dist.port,
+        start_method=start,
+    )
     return None
 
 

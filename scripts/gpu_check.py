@@ -77,7 +77,7 @@ def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
         warmup(args),
     )
     rows, curves = [], {}
-    for name, mode in MODES.items():
+    for name, mode in [(name, MODES[name]) for name in args.modes]:
         mode_gpus = mode.devices(gpus)
         run_dir = work / "runs" / name
         results, error = train(
@@ -158,7 +158,7 @@ def check_overhead(args, work: Path, failed: list[str]) -> dict[str, float]:
     """single, ddp and torch_ddp on one device (NCCL on CUDA, gloo on CPU): images/s of each."""
     speeds = {}
     data = (f"data.root={work / 'data'}", "data.mirrors=[]", f"epochs={args.epochs}", "batch_size=128", warmup(args))
-    for name in ("single", "ddp", "torch_ddp"):
+    for name in [name for name in ("single", "ddp", "torch_ddp") if name in args.modes]:
         results, error = train(work / "runs" / f"{name}_1", f"mode={name}", "gpus=1", f"device={args.device}", *data)
         if results is None:
             failed.append(f"{name} gpus=1: {error}")
@@ -199,7 +199,11 @@ def main() -> int:
     parser.add_argument("--fashion", type=Path, default=FASHION, help="the four Fashion-MNIST .gz files")
     parser.add_argument("--target", type=float, default=0.91, help="recipe=fast's target test accuracy")
     parser.add_argument("--tta-epochs", type=int, default=3, help="recipe=fast's schedule")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: the modes checked (all)")
     args = parser.parse_args()
+    args.modes = args.modes.split(",")
+    if unknown := set(args.modes) - set(MODES):
+        parser.error(f"--modes: no mode {', '.join(sorted(unknown))}; the modes are {', '.join(MODES)}")
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if gpus == 0:
         print("gpu_check: no CUDA device is visible (use --device cpu to check the script itself)")

@@ -53,7 +53,7 @@ def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
 def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
     """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes; returns
     what each returned, by rank."""
-    spawn(_entry, world_size, fn, str(workdir), args)
+    spawn(_entry, world_size, fn, str(workdir), args, start_method="forkserver")  # one torch import per session
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -306,12 +306,28 @@ def test_workers_die_with_a_killed_launcher(tiny_root, tmp_path):
         time.sleep(0.2)
     workers = [int(p.name) for p in pids.iterdir()]
     assert len(workers) == 2
+    servers = _children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
+    assert len(servers) == 1
     process.kill()
     process.wait()
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in workers + servers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [pid for pid in workers if _alive(pid)] == []
+    assert [pid for pid in workers + servers if _alive(pid)] == []
+
+
+def _children(parent: int, command_part: str) -> list[int]:
+    """The live child processes of ``parent`` whose command line contains ``command_part``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == parent and command_part in command:
+            found.append(int(stat.parent.name))
+    return found
 
 
 @pytest.fixture(scope="module")
