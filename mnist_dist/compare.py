@@ -125,8 +125,9 @@ def warnings(report: dict, load_average: float, cores: int) -> list[str]:
         )
     if load_average > cores:
         lines.append(
-            f"warning: the load average reached {load_average:.1f} on {cores} cores: other work competed "
-            "with these runs, so images/s is unreliable (loss and accuracy are not affected)"
+            f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads "
+            "count too): more work than cores competed, so images/s is unreliable (loss and accuracy are not "
+            "affected)"
         )
     return lines
 

@@ -24,8 +24,8 @@ def test_warnings_name_the_noisy_modes_and_a_high_load():
     assert compare.warnings(noisy, load_average=3.0, cores=2) == [
         "warning: images/s varied by more than 10% between rounds (single 19%): the ranking by speed may be "
         "noise; rerun on an idle machine or with more repeats=",
-        "warning: the load average reached 3.0 on 2 cores: other work competed with these runs, so images/s "
-        "is unreliable (loss and accuracy are not affected)",
+        "warning: the load average reached 3.0 on 2 cores (these runs' own threads count too): more work than "
+        "cores competed, so images/s is unreliable (loss and accuracy are not affected)",
     ]
 
 

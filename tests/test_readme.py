@@ -56,6 +56,6 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     accuracy = json.loads((tmp_path / "run" / "results.json").read_text())["test_accuracy"]
-    assert accuracy >= 0.85  # on any machine: one epoch of the classic recipe learns
+    assert accuracy >= 0.85  # on any machine: one epoch of the fast recipe learns
     if torch.backends.cpu.get_cpu_capability() == kernels:  # other kernels round differently
         assert f"{100 * accuracy:.2f}" == claimed
