@@ -35,6 +35,10 @@ def start(tmp_path, *overrides, **popen):
     )
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def finish(process, timeout=120):
     out, err = process.communicate(timeout=timeout)
     return process.returncode, err
@@ -133,7 +137,9 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
         "+model.step_seconds=0.05",
         f"+model.pid_dir={pids}",
     ]
-    process = start(tmp_path, *settings, "epochs=50")
+    # As from a terminal: a suite started in the background (`pytest &`) has SIGINT ignored, and a
+    # process inherits that through exec, so Ctrl-C would never reach the launcher.
+    process = start(tmp_path, *settings, "epochs=50", preexec_fn=_default_sigint)
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline:

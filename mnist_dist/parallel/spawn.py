@@ -154,9 +154,7 @@ def _supervise(workers: list, reports: tuple, log_path: str | None) -> None:
     """
     running = list(workers)
     while running:
-        # Not without a timeout: the kernel may hand Ctrl-C to another thread (the store's), and Python
-        # runs its handler only when this thread next runs bytecode; a wait without end would hold it.
-        wait([worker.sentinel for worker in running], timeout=1.0)
+        wait([worker.sentinel for worker in running])
         running = [worker for worker in running if worker.exitcode is None]
         failed = [rank for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
         if failed:
