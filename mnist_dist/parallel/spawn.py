@@ -98,9 +98,10 @@ def die_with_parent() -> None:
 def _exit_with_launcher() -> None:
     """Kills this worker when the process that started it exits, SIGKILL and the OOM killer included.
 
-    The launcher holds one end of a pipe to each worker until it has joined it; a thread here waits
-    for the other end to report it closed. (The kernel's parent-death signal would watch the wrong
-    process under forkserver: the server, which outlives the launcher while its workers run.)
+    The launcher holds one end of a pipe to each worker for as long as it holds the worker's Process
+    object (``spawn`` does until the job ends); a thread here waits for the other end to report it
+    closed. (The kernel's parent-death signal would watch the wrong process under forkserver: the
+    server, which outlives the launcher while its workers run.)
     """
     sentinel = multiprocessing.parent_process().sentinel
 
