@@ -77,8 +77,8 @@ def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
         warmup(args),
     )
     rows, curves = [], {}
-    for name, mode in [(name, MODES[name]) for name in args.modes]:
-        mode_gpus = mode.devices(gpus)
+    for name in args.modes:
+        mode_gpus = MODES[name].devices(gpus)
         run_dir = work / "runs" / name
         results, error = train(
             run_dir,
@@ -87,7 +87,6 @@ def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
             f"device={args.device}",
             *data,
             "model.dropout=false",
-            "log_every=1",
         )
         if results is None:
             failed.append(f"{name}: {error}")
