@@ -3,7 +3,6 @@
 import json
 import os
 import runpy
-import shutil
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_d
         text=True,
         timeout=timeout,
     )
-    result.seconds = time.monotonic() - started
+    result.seconds, result.run_dir = time.monotonic() - started, run_dir
     return result
 
 
@@ -45,34 +44,6 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     assert ranks_logged == {f"rank_{rank}" for rank in range(ranks)}
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()
     return results
-
-
-@pytest.mark.slow
-def test_ddp_spawns_one_worker_per_rank(tiny_root, tmp_path):
-    result = cli(tmp_path / "run", "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY)
-    assert result.returncode == 0, result.stderr
-    assert "no CUDA device: mode=ddp runs on the CPU in 2 processes with gloo" in result.stderr
-    assert "[rank 1]" not in result.stderr  # rank 0 alone talks to the console
-    assert_complete_run(tmp_path / "run", "ddp", 2)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
-    reason="torchrun not installed",
-)
-def test_torchrun_runs_the_same_worker_in_one_run_dir(tiny_root, tmp_path):
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    result = cli(
-        tmp_path / "run",
-        "mode=ddp",
-        f"data.root={tiny_root}",
-        *TINY,
-        launcher=(torchrun, "--nproc_per_node=2", "-m", "mnist_dist"),
-    )
-    assert result.returncode == 0, result.stderr
-    assert_complete_run(tmp_path / "run", "ddp", 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no directory of its own
 
 
 def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
@@ -96,20 +67,35 @@ def interrupted(tiny_root) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_root, tmp_path_factory) -> Path:
-    """The run the interrupted ones must end as; also profiled (profiling changes no number)."""
-    run_dir = tmp_path_factory.mktemp("whole") / "run"
-    whole = cli(run_dir, "mode=ddp", "gpus=2", *interrupted(tiny_root), "+model.fail_rank=-1", "profile=true")
+def uninterrupted(tiny_root, tmp_path_factory) -> subprocess.CompletedProcess:
+    """A ddp run from the command line: the run the interrupted ones must end as; also profiled
+    (profiling changes no number)."""
+    whole = cli(
+        tmp_path_factory.mktemp("whole") / "run",
+        "mode=ddp",
+        "gpus=2",
+        *interrupted(tiny_root),
+        "+model.fail_rank=-1",
+        "profile=true",
+    )
     assert whole.returncode == 0, whole.stderr
-    return run_dir
+    return whole
+
+
+@pytest.mark.slow
+def test_ddp_spawns_one_worker_per_rank(uninterrupted):
+    assert "no CUDA device: mode=ddp runs on the CPU in 2 processes with gloo" in uninterrupted.stderr
+    assert "[rank 1]" not in uninterrupted.stderr  # rank 0 alone talks to the console
+    assert_complete_run(uninterrupted.run_dir, "ddp", 2)
 
 
 @pytest.mark.slow
 def test_profile_writes_a_chrome_trace_per_rank_with_backward_and_all_reduce(uninterrupted):
+    run_dir = uninterrupted.run_dir
     for rank in range(2):
         names = {
             event.get("name", "")
-            for event in json.loads((uninterrupted / f"trace_rank{rank}.json").read_text())["traceEvents"]
+            for event in json.loads((run_dir / f"trace_rank{rank}.json").read_text())["traceEvents"]
         }
         # counted from 0: warmup_steps (5) and the profiler's own warm-up step left out, then 5 steps
         assert {name for name in names if name.startswith("ProfilerStep#")} == {
@@ -119,11 +105,11 @@ def test_profile_writes_a_chrome_trace_per_rank_with_backward_and_all_reduce(uni
         assert "gloo:all_reduce" in names, rank
     # ... and the README's picture of a step is drawn from them
     plot_trace = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "plot_trace.py"))
-    length, bars = plot_trace["step_events"](uninterrupted / "trace_rank0.json", 7)
+    length, bars = plot_trace["step_events"](run_dir / "trace_rank0.json", 7)
     assert bars["backward"] and bars["all-reduce"] and bars["optimizer"]
     assert all(0 <= start <= length for start, _ in bars["all-reduce"])
-    assert plot_trace["main"]([str(uninterrupted), str(uninterrupted / "step.png")]) == 0
-    assert (uninterrupted / "step.png").stat().st_size > 10_000
+    assert plot_trace["main"]([str(run_dir), str(run_dir / "step.png")]) == 0
+    assert (run_dir / "step.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
@@ -137,13 +123,15 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
     restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.kill=true", launcher=launcher)
     assert restarted.returncode == 0, restarted.stderr
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
+    assert_complete_run(tmp_path / "restarted", "ddp", 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["restarted"]  # rank 1 made no directory of its own
     # srun: SIGUSR1 to rank 1 alone; both ranks stop after step 16 (the next check), with a checkpoint.
     requeued = tmp_path / "requeued"
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
     state = checkpoint.load(requeued / "checkpoint.pt")
     assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 16, 16)
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
-    weights = [torch.load(run / "model.pt") for run in (uninterrupted, tmp_path / "restarted", requeued)]
+    weights = [torch.load(run / "model.pt") for run in (uninterrupted.run_dir, tmp_path / "restarted", requeued)]
     for other in weights[1:]:
         assert other.keys() == weights[0].keys()
         assert all(torch.equal(other[k], weights[0][k]) for k in other), "weights differ"
@@ -167,6 +155,8 @@ def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     # Stopped by the launcher, not by the collective timeout (dist.timeout_s, 300 s) that a hang would
     # end in; the margin is for a loaded machine, where starting the ranks alone can take a minute.
     assert result.seconds < 200
+    # One line on the console: no traceback from the failed rank, nor from rank 0 losing its peer.
+    assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: rank 1 failed: RuntimeError: injected failure at step 3")
     assert last_line.endswith("rank_1.log)")

@@ -140,11 +140,11 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     # As from a terminal: a suite started in the background (`pytest &`) has SIGINT ignored, and a
     # process inherits that through exec, so Ctrl-C would never reach the launcher.
     process = start(tmp_path, *settings, "epochs=50", preexec_fn=_default_sigint)
-    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    saved = tmp_path / "run" / "checkpoint.pt"
     deadline = time.monotonic() + 120
-    while not checkpoint.exists() and time.monotonic() < deadline:
+    while not saved.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert checkpoint.exists()
+    assert saved.exists()
     process.send_signal(signum)
     stopped = time.monotonic()
     code, err = finish(process, timeout=30)
@@ -152,16 +152,10 @@ def test_interrupting_the_launcher_stops_every_worker_and_keeps_the_checkpoint(
     assert code != 0 and "interrupted" in err.strip().splitlines()[-1]
     workers = [int(p.name) for p in pids.iterdir()]
     assert len(workers) == 2 and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
-    epoch = torch.load(checkpoint, weights_only=False)["epoch"]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "mnist_dist", *settings, f"epochs={epoch + 1}", f"resume={tmp_path}/run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert torch.load(checkpoint, weights_only=False)["epoch"] == epoch + 1
+    # What resume=<run> checks before it trains (format, entries, model and optimizer state load); the
+    # resumed run itself is tested in test_reproducibility.
+    state = checkpoint.load(saved)
+    checkpoint.check_resumable(state, make_config(*settings, f"epochs={state['epoch'] + 1}"), ranks=2)
 
 
 @pytest.mark.slow
@@ -474,25 +468,6 @@ def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path):
     assert code == 1 and "Traceback" not in err and "Error executing job" not in err
     assert err.splitlines()[-1] == f"error: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
     assert "Traceback" in (tmp_path / "run" / "rank_0.log").read_text()
-
-
-@pytest.mark.slow
-def test_a_failing_ddp_rank_prints_no_traceback(tiny_root, tmp_path):
-    code, err = finish(
-        start(
-            tmp_path,
-            "mode=ddp",
-            "gpus=2",
-            f"data.root={tiny_root}",
-            *TINY,
-            "model._target_=failing_model.FailingConvNet",
-            "+model.fail_rank=0",
-        )
-    )
-    assert code == 1 and "Traceback" not in err and "ERROR" not in err
-    assert err.splitlines()[-1] == (
-        f"error: rank 0 failed: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
-    )
 
 
 def test_a_checkpoint_save_on_a_full_disk_names_the_path_and_cleans_up(tmp_path, monkeypatch):
