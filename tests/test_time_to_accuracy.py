@@ -115,17 +115,15 @@ def test_time_to_accuracy_table_medians_worst_misses_and_targets():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
-def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch(tmp_path):
-    # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and ddp's
-    # every rank stops at the same step (evaluation is a collective).
-    for mode in ("single", "ddp"):
-        run_dir = tmp_path / mode
-        run_dir.mkdir()
-        fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
-        cfg = compose_config(tmp_path / "data", *fashion, f"mode={mode}", "gpus=2", "target_accuracy=0.89")
-        cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
-        launch(cfg, run_dir)
-        results = json.loads((run_dir / "results.json").read_text())
-        assert results["test_accuracy"] >= 0.89, mode
-        assert results["steps"] == results["steps_to_target"] <= 234, mode
-        assert results["world_size"] == (2 if mode == "ddp" else 1)
+def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch_in_ddp(tmp_path):
+    # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and every
+    # rank stops at the same step (evaluation is a collective). Single mode: test_readme trains the same
+    # epoch to 89.31 %, and the stop at the target is tested on generated data above.
+    fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
+    cfg = compose_config(tmp_path / "data", *fashion, "mode=ddp", "gpus=2", "target_accuracy=0.89")
+    cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
+    (tmp_path / "run").mkdir()
+    launch(cfg, tmp_path / "run")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["test_accuracy"] >= 0.89 and results["world_size"] == 2
+    assert results["steps"] == results["steps_to_target"] <= 234
