@@ -154,10 +154,11 @@ def check_gradients(device_type: str, work: Path, failed: list[str]) -> dict[str
 
 
 def check_overhead(args, work: Path, failed: list[str]) -> dict[str, float]:
-    """single, ddp and torch_ddp on one device (NCCL on CUDA, gloo on CPU): images/s of each."""
+    """single, and the checked ones of ddp and torch_ddp, on one device (NCCL on CUDA, gloo on CPU):
+    images/s of each; single is the baseline of the others' overhead."""
     speeds = {}
     data = (f"data.root={work / 'data'}", "data.mirrors=[]", f"epochs={args.epochs}", "batch_size=128", warmup(args))
-    for name in [name for name in ("single", "ddp", "torch_ddp") if name in args.modes]:
+    for name in ["single", *[name for name in ("ddp", "torch_ddp") if name in args.modes]]:
         results, error = train(work / "runs" / f"{name}_1", f"mode={name}", "gpus=1", f"device={args.device}", *data)
         if results is None:
             failed.append(f"{name} gpus=1: {error}")

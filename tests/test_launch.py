@@ -1,5 +1,7 @@
 """The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
 
+import argparse
+import importlib.util
 import json
 import os
 import runpy
@@ -204,3 +206,22 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
     timed = [row.split(" | ")[2] for row in table[1:] if "gradients" not in row]
     assert all(float(speed.replace(",", "")) > 0 for speed in timed), table  # some steps after warm-up
     assert result.stdout.strip().endswith("all checks passed")
+
+
+def test_gpu_check_measures_overhead_against_single_whichever_modes_are_checked(tmp_path, monkeypatch):
+    # --modes dp,ddp once ended in a KeyError at the table: ddp's overhead is a ratio to single's speed.
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+    )
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    trained = []
+
+    def train(run_dir, mode, *overrides):
+        trained.append(mode)
+        return {"train_images_per_s": 1.0}, ""
+
+    monkeypatch.setattr(gpu_check, "train", train)
+    args = argparse.Namespace(modes=["dp", "ddp"], device="cpu", epochs=1, train_images=640)
+    assert list(gpu_check.check_overhead(args, tmp_path, [])) == ["single", "ddp"]
+    assert trained == ["mode=single", "mode=ddp"]
