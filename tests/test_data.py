@@ -83,10 +83,14 @@ def serve():
         def log_message(self, *args):
             pass
 
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # a client that gave up mid-file (a test of timeouts): not worth a traceback in the output
+
     def start(folder: Path, delay: float = 0.0) -> str:
         handler = type("Slow", (Handler,), {"delay": delay})
         handler = functools.partial(handler, directory=str(folder))
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = Server(("127.0.0.1", 0), handler)
         thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
         thread.start()
         servers.append((server, thread))
