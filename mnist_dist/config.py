@@ -22,7 +22,16 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, world_size
 
-__all__ = ["Amp", "Config", "ConfigError", "Device", "describe_hydra_error", "validate", "world_size"]
+__all__ = [
+    "Amp",
+    "Config",
+    "ConfigError",
+    "Device",
+    "check_batch_divides",
+    "describe_hydra_error",
+    "validate",
+    "world_size",
+]
 
 
 class Amp(str, Enum):
@@ -124,12 +133,17 @@ def validate(cfg: Config) -> None:
     most = MODES[cfg.mode.name].max_gpus
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
-    ranks, parts = world_size(cfg), world_size(cfg) * cfg.accumulate
-    if cfg.batch_size % parts:
-        micro = f" x accumulate={cfg.accumulate}" if cfg.accumulate > 1 else ""
+    check_batch_divides(cfg.batch_size, world_size(cfg), cfg.accumulate)
+
+
+def check_batch_divides(batch_size: int, ranks: int, accumulate: int) -> None:
+    """The global batch splits into equal shares per rank and micro-batch, or a ConfigError with both numbers."""
+    parts = ranks * accumulate
+    if batch_size % parts:
+        micro = f" x accumulate={accumulate}" if accumulate > 1 else ""
         raise ConfigError(
-            f"batch_size={cfg.batch_size} (global) is not divisible by {ranks} ranks{micro}; "
-            f"use a multiple of {parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
+            f"batch_size={batch_size} (global) is not divisible by {ranks} ranks{micro}; "
+            f"use a multiple of {parts}, e.g. batch_size={batch_size // parts * parts or parts}"
         )
 
 

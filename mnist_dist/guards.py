@@ -13,9 +13,8 @@ from mnist_dist.topology import Topology
 log = logging.getLogger("mnist_dist")
 
 # Resident memory of one CPU worker training the convnet on a full-size data set: torch, the data as
-# float32 on every rank (60 000 + 10 000 images), the model, optimizer and logs. Measured 2026-11-30
-# (ddp gpus=2, one epoch of Fashion-MNIST, torch 2.14.1): peak_rss_mib 1451 and 1384 in results.json,
-# evaluation's 1000-image batches included (about 1.1 GB while training).
+# float32 on every rank (60 000 + 10 000 images), the model, optimizer and logs, with a margin over the
+# peak_rss_mib that results.json records for a full-size ddp run (docs/performance.md).
 CPU_WORKER_BYTES = 1500 * 2**20
 
 

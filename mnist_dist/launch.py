@@ -57,7 +57,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if mode.processes is Processes.ONE:
-        return train(cfg, run_dir, data_dir, topology)
+        return _worker(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
     log_path = str(run_dir / "rank_{rank}.log")
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
@@ -78,7 +78,12 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
 
 
 def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> None:
-    train(cfg, run_dir, data_dir, topology.for_rank(rank))
+    _worker(cfg, run_dir, data_dir, topology.for_rank(rank))
+
+
+def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> dict:
+    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
+    return train(cfg, run_dir, data_dir, topology)
 
 
 def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict:

@@ -67,6 +67,16 @@ def tb_dir(run_dir: Path) -> Path:
     return run_dir / "tb"
 
 
+def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar the run logged, ``{tag: {step: value}}`` in step order: the one reader of the tags above
+    (compare, bench and the tests read runs through it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def custom_scalars_summary() -> Summary:
     """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
     fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
@@ -210,24 +220,33 @@ class Stopwatch:
 
 class StepTimer:
     """Splits sampled steps into phases. It synchronises the device at every phase boundary, which
-    would slow every step on a GPU, so only the steps passed ``sample=True`` are timed."""
+    would slow every step on a GPU, so only the steps passed ``sample=True`` are timed.
+
+    The trainer ends ``data``; the rest is read from outside the step, so that the step's code knows
+    nothing of timing: hooks on the optimizer end forward and backward (just before ``step()``) and the
+    optimizer's phase (just after), and our DDP's own clock says how much of backward was ``comm_wait``,
+    the wait for all-reduces that backward did not hide (0 for the other wrappers, whose wait is inside
+    backward). With fp16, GradScaler's unscale and inf check count as backward.
+    """
 
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.device = device
+        self.wait_clock = getattr(model, "_comm_wait", None)  # our DistributedDataParallel's
         self.sampling = False
         self.last = 0.0
         self.window = dict.fromkeys(self.PHASES, 0.0)
         self.total = dict.fromkeys(self.PHASES, 0.0)
         self.window_steps = self.total_steps = 0
+        optimizer.register_step_pre_hook(lambda *_: self._backward_done())
+        optimizer.register_step_post_hook(lambda *_: self._optimizer_done())
 
     def start(self, sample: bool) -> None:
         self.sampling = sample
         if sample:
             synchronize(self.device)
             self.last = time.perf_counter()
-            self.window_steps += 1
 
     def mark(self, phase: str) -> None:
         """Ends ``phase`` of this step (a no-op on steps not sampled)."""
@@ -236,6 +255,22 @@ class StepTimer:
             now = time.perf_counter()
             self.window[phase] += now - self.last
             self.last = now
+
+    def _backward_done(self) -> None:
+        if not self.sampling:
+            return
+        before = self.window["forward_backward"]
+        self.mark("forward_backward")
+        waited = self.wait_clock.last_s() if self.wait_clock is not None else 0.0
+        waited = min(waited, self.window["forward_backward"] - before)
+        self.window["forward_backward"] -= waited
+        self.window["comm_wait"] += waited
+
+    def _optimizer_done(self) -> None:
+        if self.sampling:
+            self.mark("optimizer")
+            self.window_steps += 1
+            self.sampling = False
 
     def lap(self) -> dict[str, float]:
         """Milliseconds per phase, averaged over the sampled steps since the last lap."""

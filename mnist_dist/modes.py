@@ -27,9 +27,9 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist import fsdp
 from mnist_dist.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
+from mnist_dist.parallel.fsdp import shard
 
 
 class Processes(Enum):
@@ -61,9 +61,8 @@ class TorchDDPMode:
     find_unused_parameters: bool = False  # allow parameters that get no gradient
     # BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the global batch
     # instead of each rank's share, at the cost of a collective per layer in forward and in backward.
-    # It matters when that share is small (below about 16 images; rarely at 32 or more), and
-    # batch_size is global, so more ranks mean smaller shares. CUDA only: torch's SyncBatchNorm does
-    # not run on CPU tensors.
+    # It matters when that share is small, and batch_size is global, so more ranks mean smaller shares.
+    # CUDA only: torch's SyncBatchNorm does not run on CPU tensors.
     sync_batchnorm: bool = False
 
 
@@ -91,7 +90,7 @@ class FSDPMode:
     # gathers them again) or keep them until backward (false: one all-gather fewer per group and step).
     reshard_after_forward: bool = True
     # Class names whose instances are sharded as one group each (e.g. [ResidualBlock,Linear]);
-    # []: every direct child of the model that has parameters. See mnist_dist/fsdp.py.
+    # []: every direct child of the model that has parameters. See mnist_dist/parallel/fsdp.py.
     group_classes: list[str] = field(default_factory=list)
     param_dtype: Dtype = Dtype.float32  # bfloat16: forward and backward compute with bf16 copies
     reduce_dtype: Dtype = Dtype.float32  # bfloat16: gradients travel and are averaged in bf16
@@ -195,7 +194,17 @@ def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus:
 
 
 def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return fsdp.shard(model, mode, device)
+    try:
+        return shard(
+            model,
+            device,
+            list(mode.group_classes),
+            mode.reshard_after_forward,
+            getattr(torch, mode.param_dtype.name),
+            getattr(torch, mode.reduce_dtype.name),
+        )
+    except ValueError as error:  # a class name the model does not have
+        raise ConfigError(f"mode.{error.args[0]}") from None
 
 
 _DP_ON_CPU = "in one process: DataParallel passes the whole batch through"

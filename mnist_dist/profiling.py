@@ -14,10 +14,10 @@ from torch.profiler import ProfilerActivity, profile, schedule
 STEPS = 5  # profiled steps: enough to see a step's pattern repeat, small enough to open quickly
 
 
-def start(run_dir: Path, rank: int, warmup_steps: int) -> profile:
+def start(run_dir: Path, rank: int, warmup_steps: int, device: torch.device) -> profile:
     """A started profiler that records steps warmup_steps + 2 to warmup_steps + 1 + STEPS (``step()``
     after each training step) and then writes this rank's trace."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiler = profile(
         activities=activities,
         # wait: the warm-up steps (allocator, first buckets); warmup: one step the profiler discards.

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
-import subprocess
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, fsdp, machine
+from mnist_dist import checkpoint, machine
 from mnist_dist.metrics import all_gather, job_images_per_s
+from mnist_dist.parallel.state import model_state
 
 if TYPE_CHECKING:
     from mnist_dist.train import Run
@@ -51,9 +48,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "model_state_mib": per_rank(run.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
-    model_state = fsdp.model_state(run.model)  # a collective in fsdp
+    saved_model = model_state(run.model)  # a collective in fsdp
     if topology.rank == 0:
-        checkpoint.save(model_state, run.run_dir / "model.pt")
+        checkpoint.save(saved_model, run.run_dir / "model.pt")
         checkpoint.save_json(results, run.run_dir / "results.json")
         run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
         hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
@@ -73,14 +70,3 @@ def peak_rss_mib() -> float:
 def per_rank(value: float) -> list[float]:
     """Every rank's ``value``, by rank (a collective: all ranks call)."""
     return [value for (value,) in all_gather([value])]
-
-
-def train_in_subprocess(overrides: list[str], run_dir: Path) -> dict:
-    """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, without a bar; its
-    results.json. A failed run raises RuntimeError with its exit status and last error line."""
-    command = [sys.executable, "-m", "mnist_dist", *overrides, "progress=false", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        last = (result.stderr.strip().splitlines() or ["no error output"])[-1]
-        raise RuntimeError(f"exit {result.returncode}: {last}")
-    return json.loads((run_dir / "results.json").read_text())

@@ -1,11 +1,11 @@
 """What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's
 share of the global batch (with gradient accumulation), exact sharded evaluation, and the check that
-stops a diverged run. The worker's loop (mnist_dist/train.py) calls them; the tests call them directly.
+stops a diverged run. The worker's loop (mnist_dist/train.py), the pre-flight check and the benchmarks
+call them; so do the tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mnist_dist.metrics import all_reduce
-from mnist_dist.parallel import compute_ends
 from mnist_dist.precision import Precision
 from mnist_dist.sharding import eval_shard
 
@@ -24,35 +23,30 @@ def train_step(
     x: torch.Tensor,
     y: torch.Tensor,
     precision: Precision,
-    mark: Callable[[str], None],
     accumulate: int = 1,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
-    ``mark(phase)`` ends a phase for the step timer. Our DDP ends forward_backward where its compute
-    ends, just before it waits for the all-reduces at the end of backward, so comm_wait is the
-    communication backward did not hide.
+    The same lines in every mode: wrappers that synchronise gradients (ours and torch's DDP) finish
+    inside ``backward()``, so nothing is called between it and the optimizer's step.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, x, y, precision, accumulate, label_smoothing, lambda: mark("forward_backward"))
-    mark("comm_wait")
+    loss = compute_gradients(model, x, y, precision, accumulate, label_smoothing)
     precision.scaler.step(optimizer)
     precision.scaler.update()
-    mark("optimizer")
     return loss
 
 
-def accumulate_gradients(
+def compute_gradients(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     precision: Precision,
-    parts: int,
-    label_smoothing: float,
-    compute_done: Callable,
+    parts: int = 1,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches; returns that loss.
+    """Gradients of the mean loss over (x, y) in ``parts`` micro-batches, added to ``.grad``; returns that loss.
 
     Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
     share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
@@ -66,8 +60,7 @@ def accumulate_gradients(
                 logits = model(xs)
                 # split mode ends on another device
                 loss = F.cross_entropy(logits, ys.to(logits.device), label_smoothing=label_smoothing) / parts
-            with compute_ends(model, compute_done) if last else nullcontext():
-                precision.scaler.scale(loss).backward()
+            precision.scaler.scale(loss).backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()
 

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mnist_dist.config import Config
+from mnist_dist.config import Config, check_batch_divides
 from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, Processes, devices_needed, world_size
 
@@ -48,7 +48,9 @@ class Topology:
 
 def resolve(cfg: Config) -> Topology:
     """The job's topology from its config, in the parent; a ConfigError says what to change."""
-    return _topology(cfg, _device_type(cfg), world_size(cfg), local_world_size=world_size(cfg))
+    visible = torch.cuda.device_count()
+    kind = device_type(cfg.device, devices_needed(cfg), f"gpus={cfg.gpus}", f"use gpus={visible} or device=cpu")
+    return _topology(cfg, kind, world_size(cfg), local_world_size=world_size(cfg))
 
 
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST")
@@ -90,13 +92,9 @@ def from_env(cfg: Config) -> Topology:
         raise ConfigError(
             f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
-    if cfg.batch_size % (size * cfg.accumulate):
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks x accumulate={cfg.accumulate}; "
-            f"use a multiple of {size * cfg.accumulate}"
-        )
-    device_type = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    topology = _topology(cfg, device_type, size, local_size)
+    check_batch_divides(cfg.batch_size, size, cfg.accumulate)
+    kind = device_type(cfg.device, local_size, f"{local_size} processes per node", "start fewer, or pass device=cpu")
+    topology = _topology(cfg, kind, size, local_size)
     return dataclasses.replace(topology, rank=rank, local_rank=local_rank)
 
 
@@ -132,17 +130,17 @@ def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -
     )
 
 
-def _device_type(cfg: Config) -> str:
+def device_type(requested: str, needed: int, what: str = "this", fix: str = "pass device=cpu") -> str:
+    """``cuda`` or ``cpu``: the one rule for which device a process uses, given ``device=`` (auto, cuda,
+    cpu) and the CUDA devices the job drives on this machine; a ConfigError when they are not there."""
     visible = torch.cuda.device_count()
-    needed = devices_needed(cfg)
-    if cfg.device == "cpu" or (cfg.device == "auto" and visible == 0):
+    if requested == "cpu" or (requested == "auto" and visible == 0):
         return "cpu"
     if visible < needed:
         raise ConfigError(
-            f"device={cfg.device} needs {needed} CUDA device(s) for gpus={cfg.gpus} but "
-            f"{visible} are visible; use gpus={visible} or device=cpu"
+            f"device={requested} needs {needed} CUDA device(s) for {what} but {visible} are visible; {fix}"
             if visible
-            else f"device={cfg.device} but no CUDA device is visible; use device=cpu or device=auto"
+            else f"device={requested} but no CUDA device is visible; use device=cpu or device=auto"
         )
     return "cuda"
 
@@ -152,13 +150,7 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> 
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
-    if deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # warn_only: an op with no deterministic kernel warns (naming itself) instead of stopping the run.
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = not deterministic
+    deterministic_kernels(deterministic)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
     if topology.backend and not dist.is_initialized():
@@ -171,6 +163,17 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> 
             timeout=timedelta(seconds=timeout_s),
         )
     return topology.device
+
+
+def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
+    """The one place determinism is set. ``warn_only``: an op with no deterministic kernel warns (naming
+    itself) instead of stopping the run; the pre-flight check passes False to find such ops."""
+    if on:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:

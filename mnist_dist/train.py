@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint, fsdp, preemption, profiling
+from mnist_dist import checkpoint, preemption, profiling
 from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
@@ -28,12 +28,12 @@ from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
 from mnist_dist.modes import wrap_model
-from mnist_dist.parallel import unwrap
+from mnist_dist.parallel import state, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
 from mnist_dist.step import check_finite, evaluate, train_step
-from mnist_dist.topology import Topology, setup_process
+from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")
 
@@ -78,7 +78,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     """Trains and evaluates; rank 0 writes checkpoints and results.json. Returns the results."""
     started = time.perf_counter()
     setup_logging(run_dir, topology.rank)
-    device = setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
+    device = topology.device  # mnist_dist.topology.setup_process set this process up
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
     # On resume, drop any scalars the interrupted run wrote after its checkpoint: no duplicate steps.
     scalars = Scalars(run_dir, topology.rank, purge_step=resumed["step"] + 1 if resumed else None)
@@ -142,13 +142,13 @@ def build(
         scheduler,
         Precision(cfg.amp, device),
         Throughput(device, cfg.warmup_steps),
-        StepTimer(device),
+        StepTimer(device, model, optimizer),
         scheduler_per_step=per_step,
     )
     if resumed:
         restore(run, resumed)
     if cfg.profile:
-        run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps)
+        run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, device)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
         "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
@@ -177,7 +177,7 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
 
 def restore(run: Run, resumed: dict) -> None:
     """Puts a checkpoint's optimizer, scheduler, loss scale, random state and position into ``run``."""
-    fsdp.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
+    state.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
@@ -200,9 +200,7 @@ def run_epoch(run: Run, epoch: int) -> None:
         run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = run.train_x[indices], run.train_y[indices]
         run.timer.mark("data")
-        loss = train_step(
-            run.model, run.optimizer, x, y, run.precision, run.timer.mark, cfg.accumulate, cfg.label_smoothing
-        )
+        loss = train_step(run.model, run.optimizer, x, y, run.precision, cfg.accumulate, cfg.label_smoothing)
         if run.scheduler_per_step:
             run.scheduler.step()
         window_losses.append(loss.detach())
@@ -295,9 +293,9 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     (a collective: every rank's random state is gathered)."""
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
     rng = checkpoint.rng_states_of_all_ranks()
-    model_state, optimizer_state = fsdp.model_state(run.model), fsdp.optimizer_state(run.model, run.optimizer)
+    model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
-        state = {
+        saved = {
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": run.scheduler.state_dict(),
@@ -310,7 +308,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "config": run.config_yaml,
             "format": checkpoint.FORMAT,
         }
-        checkpoint.save_kept(state, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
+        checkpoint.save_kept(saved, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
 
 
 def log_window(run: Run, loss: float) -> None:

@@ -364,15 +364,6 @@ def sparse_embedding(rank, world_size, wrap):
     return params(model)
 
 
-@pattern
-def finish_gradient_sync_twice(rank, world_size, wrap):
-    def finish_twice(model):
-        for _ in range(2):
-            getattr(model, "finish_gradient_sync", lambda: None)()
-
-    return train(wrap(mlp()), rank, world_size, after_backward=finish_twice)
-
-
 def run_all(rank: int, world_size: int, wrap) -> dict:
     """Every pattern's result, or the one line its exception said (a failing pattern does not stop the rest)."""
     results = {}

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mnist_dist.metrics import tb_dir
+from mnist_dist.metrics import read_scalars, tb_dir
 from mnist_dist.parallel import spawn
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -36,8 +36,7 @@ def events(run_dir: Path) -> EventAccumulator:
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:
     """Every scalar tag of the run's TensorBoard run (rank 0 writes every rank's), values in step order."""
-    tb = events(run_dir)
-    return {tag: [e.value for e in tb.Scalars(tag)] for tag in tb.Tags()["scalars"]}
+    return {tag: list(values.values()) for tag, values in read_scalars(run_dir).items()}
 
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:

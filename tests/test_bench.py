@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import assert_machine_fields
 
-from mnist_dist.bench import markdown, paired_ratio, report
+from mnist_dist.tools.bench import markdown, paired_ratio, report
 
 
 def run(speed, comm=0.0):
@@ -65,7 +65,7 @@ def test_a_tiny_run_reports_what_it_measured(tmp_path):
         [
             sys.executable,
             "-m",
-            "mnist_dist.bench",
+            "mnist_dist.tools.bench",
             "--cases",
             "single,ceiling",
             "--repeats",

@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from mnist_dist import check
+from mnist_dist.tools import check
 
 
 class BrokenNet(nn.Module):

@@ -6,7 +6,7 @@ import statistics
 import pytest
 from helpers import assert_machine_fields
 
-from mnist_dist import compare
+from mnist_dist.tools import compare
 
 
 def row(mode, speeds):

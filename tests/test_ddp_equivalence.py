@@ -90,7 +90,6 @@ AS_TORCH_AND_SINGLE = [
     "clip_grad_norm_after_backward",
     "grad_scaler_unscale_then_clip",
     "unused_on_every_rank",
-    "finish_gradient_sync_twice",
 ]
 AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks"]  # rank-dependent: no one-process twin
 # Buffers follow rank 0's at torch DDP's moments: compared with torch DDP rank by rank.

@@ -10,12 +10,11 @@ from helpers import compose_config, scalars
 from torch import nn
 
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import ConfigError
-from mnist_dist.fsdp import layer_groups, model_state, shard
 from mnist_dist.launch import launch
 from mnist_dist.metrics import state_bytes
 from mnist_dist.model import ConvNet, ResidualBlock, ResNet
-from mnist_dist.modes import Dtype, FSDPMode
+from mnist_dist.parallel.fsdp import layer_groups, shard
+from mnist_dist.parallel.state import model_state
 from mnist_dist.step import evaluate
 
 # 640 tiny images at a global batch of 30 (divisible by 2 and 3 ranks): 21 steps an epoch, dropout off.
@@ -36,7 +35,9 @@ def test_layer_groups_are_the_children_with_parameters_or_the_named_classes():
     assert [type(m).__name__ for m in blocks] == ["Linear", "ResidualBlock", "ResidualBlock", "ResidualBlock"]
     assert blocks[1] is resnet.features[5]  # innermost (last) first: fully_shard goes inside out
     assert all(isinstance(b, ResidualBlock) for b in blocks[1:])
-    with pytest.raises(ConfigError, match="the model has no Block; its module classes are BatchNorm2d, Conv2d"):
+    with pytest.raises(
+        ValueError, match="group_classes: the model has no Block; its module classes are BatchNorm2d, Conv2d"
+    ):
         layer_groups(resnet, ["Block"])
 
 
@@ -50,9 +51,7 @@ def test_state_bytes_counts_parameters_gradients_and_optimizer_state_once():
 
 
 def test_bf16_knobs_compute_in_bf16_and_keep_fp32_shards(one_rank):
-    model = shard(
-        ConvNet(dropout=False), FSDPMode(param_dtype=Dtype.bfloat16, reduce_dtype=Dtype.bfloat16), torch.device("cpu")
-    )
+    model = shard(ConvNet(dropout=False), torch.device("cpu"), param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     seen = []
     model.classifier[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
     logits = model(torch.randn(2, 1, 28, 28))

@@ -1,9 +1,7 @@
 """The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
 
-import importlib.util
 import json
 import os
-import runpy
 import socket
 import subprocess
 import sys
@@ -17,6 +15,7 @@ from helpers import scalars
 from mnist_dist import checkpoint
 from mnist_dist.metrics import tb_dir
 from mnist_dist.preemption import REQUEUE
+from mnist_dist.tools import gpu_check, plot_trace
 
 ROOT = Path(__file__).parent.parent
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
@@ -106,11 +105,10 @@ def test_profile_writes_a_chrome_trace_per_rank_with_backward_and_all_reduce(uni
         assert "autograd::engine::evaluate_function: ConvolutionBackward0" in names, rank
         assert "gloo:all_reduce" in names, rank
     # ... and the README's picture of a step is drawn from them
-    plot_trace = runpy.run_path(str(ROOT / "scripts" / "plot_trace.py"))
-    length, bars = plot_trace["step_events"](run_dir / "trace_rank0.json", 7)
+    length, bars = plot_trace.step_events(run_dir / "trace_rank0.json", 7)
     assert bars["backward"] and bars["all-reduce"] and bars["optimizer"]
     assert all(0 <= start <= length for start, _ in bars["all-reduce"])
-    assert plot_trace["main"]([str(run_dir), str(run_dir / "step.png")]) == 0
+    assert plot_trace.main([str(run_dir), str(run_dir / "step.png")]) == 0
     assert (run_dir / "step.png").stat().st_size > 10_000
 
 
@@ -180,10 +178,19 @@ def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
 @pytest.mark.slow
 def test_gpu_check_script_passes_on_the_cpu(tmp_path):
     # The script exists for machines with GPUs; on the CPU its own logic (runs, comparison, table) is checked.
-    script = ROOT / "scripts" / "gpu_check.py"
     result = subprocess.run(
         # --fashion at an empty folder: recipe=fast runs on the generated data, to a target it reaches.
-        [sys.executable, str(script), "--device", "cpu", "--train-images", "640", "--epochs", "1"]
+        [
+            sys.executable,
+            "-m",
+            "mnist_dist.tools.gpu_check",
+            "--device",
+            "cpu",
+            "--train-images",
+            "640",
+            "--epochs",
+            "1",
+        ]
         + ["--fashion", str(tmp_path), "--target", "0.5", "--tta-epochs", "2"]
         # dp follows single's loss; ddp's rows: the next test (each training here is a fresh process)
         + ["--modes", "single,dp"],
@@ -209,9 +216,6 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
 def test_gpu_check_tables_every_check_with_the_runs_faked(tmp_path, monkeypatch, capsys):
     # The script's logic without a training (the test above trains): ddp's rows, which that one leaves
     # out. --modes dp,ddp once ended in a KeyError here: ddp's overhead is a ratio to single's speed.
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     speed = {"single_1": 100.0, "ddp_1": 80.0}
 
     def train(run_dir, *overrides):

@@ -9,9 +9,9 @@ import torch
 from helpers import scalars
 
 from mnist_dist import checkpoint
-from mnist_dist.compare import compare
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.tools.compare import compare
 
 SHORT = ("epochs=3", "batch_size=64", "log_every=1")
 
@@ -194,7 +194,7 @@ def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
         [
             sys.executable,
             "-m",
-            "mnist_dist.compare",
+            "mnist_dist.tools.compare",
             "modes=[single,dp,ddp]",
             "repeats=1",
             "gpus=2",

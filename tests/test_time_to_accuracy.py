@@ -5,11 +5,12 @@ import re
 
 import pytest
 import torch
-from helpers import FASHION, compose_config, events, scalars
+from helpers import FASHION, compose_config, scalars
 
-from mnist_dist import time_to_accuracy as tta
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch
+from mnist_dist.metrics import read_scalars
+from mnist_dist.tools import time_to_accuracy as tta
 
 
 class TinyMLP(torch.nn.Sequential):
@@ -37,17 +38,17 @@ def results_of(make_config, run_dir, *overrides) -> dict:
 def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_config, tmp_path):
     # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it.
     reached = results_of(make_config, tmp_path / "reached", "target_accuracy=0.3", "eval_every_steps=4")
-    tb = events(tmp_path / "reached")
-    evaluated = [(e.step, e.value) for e in tb.Scalars("test/accuracy")]
+    tb = read_scalars(tmp_path / "reached")
+    evaluated = list(tb["test/accuracy"].items())
     first = next(step for step, accuracy in evaluated if accuracy >= 0.3)
     assert reached["steps_to_target"] == first and first % 4 == 0 and first < 30
     assert reached["steps"] == first  # no step after the target
     assert 0 < reached["time_to_target_s"] <= reached["train_time_s"]
     assert reached["eval_time_s"] > 0
     # The same accuracies against training time only: evaluation does not move this axis.
-    timed = tb.Scalars("test/accuracy_by_train_ms")
-    assert [e.value for e in timed] == [accuracy for _, accuracy in evaluated]
-    assert all(a.step < b.step for a, b in zip(timed, timed[1:]))
+    timed = list(tb["test/accuracy_by_train_ms"].items())
+    assert [accuracy for _, accuracy in timed] == [accuracy for _, accuracy in evaluated]
+    assert all(a[0] < b[0] for a, b in zip(timed, timed[1:]))
 
     # Evaluations in mid-epoch hand the model back in training mode (TrainModeMLP checks every step).
     trains = "model._target_=test_time_to_accuracy.TrainModeMLP"
@@ -56,7 +57,7 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
     )
     assert missed["steps_to_target"] is None and missed["time_to_target_s"] is None
     assert missed["steps"] == 30
-    steps = [e.step for e in events(tmp_path / "missed").Scalars("test/accuracy")]
+    steps = list(read_scalars(tmp_path / "missed")["test/accuracy"])
     assert steps == [7, 10, 14, 20, 21, 28, 30]  # every 7 steps, and at every epoch's end
 
 

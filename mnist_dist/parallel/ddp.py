@@ -33,9 +33,9 @@ slightly different order still issues the same sequence of collectives.
 the wrapper queues a callback on the autograd engine (``_queue_end_of_backward``, the one private
 call). It launches what is left, waits, and writes the averaged gradients back into ``.grad``. What
 follows ``backward()`` (clipping, ``GradScaler.unscale_``, the optimizer) therefore sees the averaged
-gradients, exactly as with torch DDP. ``before_comm_wait``, if set, is called just before that wait:
-the trainer ends its compute phase there, so ``time/comm_wait_ms`` is the communication that backward
-did not hide.
+gradients, exactly as with torch DDP. The wrapper times that wait itself (``_comm_wait``: the host's
+clock on CPU, events on the compute stream on CUDA), which is the communication that backward did not
+hide; the trainer reads it for ``time/comm_wait_ms``.
 
 **As torch DDP** (which the equivalence tests compare against, pattern by pattern):
 
@@ -63,15 +63,18 @@ wait for the side stream.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 
 from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets
+from mnist_dist.parallel.buffers import broadcast_from_rank0
+from mnist_dist.parallel.timing import WaitClock
 
 
 class DistributedDataParallel(nn.Module):
@@ -110,7 +113,6 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.compress_bf16 = compress_bf16
-        self.before_comm_wait: Callable[[], None] | None = None  # see the module docstring
         self.world_size = dist.get_world_size()
         named = list(module.named_parameters())
         self._names = [name for name, _ in named]
@@ -129,15 +131,9 @@ class DistributedDataParallel(nn.Module):
         tensors = [*self._params, *self._replicated_buffers]
         device = tensors[0].device if tensors else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._broadcast_from_rank0(tensors)
+        self._comm_wait = WaitClock(device)
+        broadcast_from_rank0(tensors)
         self._hook_trainable()
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        # A few small tensors (parameters once per run, buffers per step): one collective each is
-        # cheap enough and keeps this obvious.
-        for tensor in tensors:
-            dist.broadcast(tensor, src=0)
 
     def _hook_trainable(self) -> None:
         # A frozen parameter cannot take a hook; one unfrozen after wrapping gets it at its next forward.
@@ -152,7 +148,7 @@ class DistributedDataParallel(nn.Module):
             self._hook_trainable()
             self._plan_key, self._buckets, self._bucket_of = key, [], {}
         if self.broadcast_buffers and self._sync_buffers_next_forward:
-            self._broadcast_from_rank0(self._replicated_buffers)
+            broadcast_from_rank0(self._replicated_buffers)
         grad_enabled = torch.is_grad_enabled()
         self._sync_buffers_next_forward = grad_enabled and self._sync_enabled
         if grad_enabled:
@@ -172,10 +168,6 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._sync_enabled = previous
-
-    def finish_gradient_sync(self) -> None:
-        """Does nothing: gradients are averaged when ``backward()`` returns. Kept for scripts written
-        for the earlier API, which needed this call before ``optimizer.step()``."""
 
     @property
     def bucket_plan(self) -> list[list[str]]:
@@ -258,9 +250,8 @@ class DistributedDataParallel(nn.Module):
                 )
             self._launch_ready_buckets(everything=True)
             used = self._used_anywhere() if self.find_unused_parameters else None
-            if self.before_comm_wait is not None:
-                self.before_comm_wait()
-            self._wait_and_write_back(used)
+            with self._comm_wait, record_function("DistributedDataParallel.wait"):
+                self._wait_and_write_back(used)
         finally:
             for bucket in self._buckets:
                 bucket.pending, bucket.work = len(bucket.indices), None

@@ -1,8 +1,8 @@
 """How fast is each mode, and how do they compare? Side-by-side, repeatable throughput numbers.
 
-    python -m mnist_dist.bench                      # defaults: < 10 minutes on a 2-core CPU
-    python -m mnist_dist.bench --device cuda --batch 512 --steps 400 --gpus 4
-    python -m mnist_dist.bench --time-to-accuracy   # recipe=fast to 91 % on Fashion-MNIST (time_to_accuracy.py)
+    python -m mnist_dist.tools.bench                      # defaults: < 10 minutes on a 2-core CPU
+    python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
+    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % on Fashion-MNIST (time_to_accuracy.py)
 
 Every case is a fresh process training the same convnet on the same generated data (so no
 download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
@@ -25,10 +25,13 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from mnist_dist import machine, time_to_accuracy
+from mnist_dist import machine
 from mnist_dist.metrics import state_bytes
-from mnist_dist.results import train_in_subprocess
-from mnist_dist.synthetic import write_idx
+from mnist_dist.precision import Precision
+from mnist_dist.step import train_step
+from mnist_dist.tools import time_to_accuracy
+from mnist_dist.tools.run import train_in_subprocess
+from mnist_dist.tools.synthetic import write_idx
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -162,7 +165,6 @@ def chart(result: dict, path: Path) -> None:
 
 def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> dict:
     """The two cases written in the benchmark itself, in this process."""
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
@@ -171,6 +173,7 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
     torch.manual_seed(0)
     model = ConvNet()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    precision = Precision("off", torch.device("cpu"))
     if case == "classic":  # pytorch/examples mnist, as people write it
         dataset = datasets.MNIST(
             str(root),
@@ -186,9 +189,7 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
         if step == warmup:
             started = time.perf_counter()
         x, y = next(batches)
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        train_step(model, optimizer, x, y, precision)
     seconds = time.perf_counter() - started
     return {
         "images_per_s": steps * batch / seconds,
@@ -199,7 +200,7 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
 
 
 def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
-    base = [sys.executable, "-m", "mnist_dist.bench"]
+    base = [sys.executable, "-m", "mnist_dist.tools.bench"]
     if CASES[case] is None:
         command = [
             *base,

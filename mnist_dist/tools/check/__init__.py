@@ -1,8 +1,8 @@
 """Pre-flight check: will this model train correctly in every mode? Seconds, with no data set.
 
-    python -m mnist_dist.check                                           # the convnet
-    python -m mnist_dist.check model=resnet
-    python -m mnist_dist.check model._target_=my_pkg.models.MyNet ~model.dropout
+    python -m mnist_dist.tools.check                                           # the convnet
+    python -m mnist_dist.tools.check model=resnet
+    python -m mnist_dist.tools.check model._target_=my_pkg.models.MyNet ~model.dropout
 
 Arguments are Hydra overrides, as for ``python -m mnist_dist``: the model is built from the config, and
 ``mode.*`` options (sync_batchnorm, find_unused_parameters, dp_block, split_at) and ``deterministic``
@@ -18,10 +18,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from mnist_dist.check.common import BATCH, RANKS, Line, build
-from mnist_dist.check.local import check_batchnorm, check_determinism, check_modes, check_unused
-from mnist_dist.check.ranks import check_distributed
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
+from mnist_dist.tools.check.common import BATCH, RANKS, Line, build
+from mnist_dist.tools.check.local import check_batchnorm, check_determinism, check_modes, check_unused
+from mnist_dist.tools.check.ranks import check_distributed
 
 
 def run_checks(cfg: Config) -> list[Line]:

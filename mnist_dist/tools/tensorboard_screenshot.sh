@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # docs/tensorboard.png as a person sees it: a three-mode sweep, then TensorBoard's CUSTOM SCALARS tab
 # in headless Chromium (Debian: apt-get install chromium). Run from the repository root, venv active:
-#   scripts/tensorboard_screenshot.sh [docs/tensorboard.png]
+#   bash mnist_dist/tools/tensorboard_screenshot.sh [docs/tensorboard.png]
 set -euo pipefail
 out=${1:-docs/tensorboard.png}
 sweep=$(mktemp -d /tmp/mnist_dist_sweep.XXXXXX)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
+from mnist_dist.precision import Precision
+from mnist_dist.step import compute_gradients
 
 RANKS = 2
 BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second on a CPU
@@ -27,11 +28,10 @@ def random_batch(seed: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tens
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Forward and backward, as the trainer's step does them (DDP wrappers average inside backward)."""
+    """Forward and backward in train mode, the trainer's own (DDP wrappers average inside backward)."""
     model.train()
     model.zero_grad(set_to_none=True)
-    logits = model(x)
-    F.cross_entropy(logits, y.to(logits.device)).backward()
+    compute_gradients(model, x, y, Precision("off", x.device))
 
 
 def names(items: list[str], most: int = 4) -> str:

@@ -3,7 +3,6 @@ determinism."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -12,9 +11,12 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist.check.common import BATCH, RANKS, Line, build, names, random_batch, step
 from mnist_dist.config import Config, ConfigError
 from mnist_dist.modes import MODES, Processes, wrap_model
+from mnist_dist.precision import Precision
+from mnist_dist.step import train_step
+from mnist_dist.tools.check.common import BATCH, RANKS, Line, build, names, random_batch, step
+from mnist_dist.topology import deterministic_kernels, device_type
 
 BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -89,16 +91,14 @@ def check_determinism(cfg: Config) -> Line:
     """One optimizer step with deterministic kernels enforced: an op that has none raises, naming itself."""
     if not cfg.deterministic:
         return "SKIP", "determinism", "deterministic=false: runs need not repeat bit for bit"
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the trainer sets it
+    device = torch.device(device_type(cfg.device, 1))
     model = build(cfg).to(device)
     optimizer = instantiate(cfg.optim)(model.parameters())
     x, y = random_batch(0)
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)  # no warn_only (the trainer has it): such an op raises
+    deterministic_kernels(True, warn_only=False)  # the trainer warns; here such an op raises
     try:
-        step(model, x.to(device), y.to(device))
-        optimizer.step()
+        train_step(model, optimizer, x.to(device), y.to(device), Precision("off", device))
     except RuntimeError as error:
         return (
             "FAIL",
@@ -107,5 +107,5 @@ def check_determinism(cfg: Config) -> Line:
             "true the trainer warns and runs would differ: replace the op or set deterministic=false",
         )
     finally:
-        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        deterministic_kernels(previous[0], warn_only=previous[1])
     return "OK", "determinism", f"one step with torch.use_deterministic_algorithms(True) on {device.type}"

@@ -1,7 +1,7 @@
 """Time to accuracy: ``recipe=fast`` to a target test accuracy in single, ddp and torch_ddp, over seeds.
 
-    python -m mnist_dist.bench --time-to-accuracy            # Fashion-MNIST, 91 %, 3 seeds, ddp on 2 ranks
-    python -m mnist_dist.bench --time-to-accuracy --target 0.92 --seeds 5
+    python -m mnist_dist.tools.bench --time-to-accuracy            # Fashion-MNIST, 91 %, 3 seeds, ddp on 2 ranks
+    python -m mnist_dist.tools.bench --time-to-accuracy --target 0.92 --seeds 5
 
 Every run is a fresh training process that evaluates exactly every ``--eval-every`` steps and stops at the
 target; its time is the trainer's training clock (evaluation left out, results.json time_to_target_s).
@@ -17,14 +17,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from mnist_dist import machine
-from mnist_dist.metrics import tb_dir
-from mnist_dist.results import train_in_subprocess
+from mnist_dist.metrics import read_scalars
+from mnist_dist.tools.run import train_in_subprocess
 
 CASES = {"single": ["mode=single"], "ddp": ["mode=ddp"], "torch_ddp": ["mode=torch_ddp"]}
-SINGLE_SECONDS_TARGET = 60.0  # issue 17: single reaches the target within a minute of training (2-core CPU)
+SINGLE_SECONDS_TARGET = 60.0  # single reaches the target within a minute of training on a 2-core CPU
 DDP_RATIO_TARGET = 1.3  # ddp's time to target within 1.3x single's
 
 
@@ -53,9 +51,8 @@ def train(overrides: list[str], run_dir: Path, settings: dict) -> dict:
 
 def accuracy_at(run_dir: Path, seconds: float) -> float | None:
     """The last test accuracy evaluated within ``seconds`` of training (test/accuracy_by_train_ms)."""
-    events = EventAccumulator(str(tb_dir(run_dir)))
-    events.Reload()
-    within = [e.value for e in events.Scalars("test/accuracy_by_train_ms") if e.step <= 1000 * seconds]
+    by_ms = read_scalars(run_dir)["test/accuracy_by_train_ms"]
+    within = [accuracy for ms, accuracy in by_ms.items() if ms <= 1000 * seconds]
     return within[-1] if within else None
 
 

@@ -1,6 +1,6 @@
 """Draws one profiled step of every rank's trace (profile=true): backward ops, all-reduces, optimizer.
 
-    python scripts/plot_trace.py outputs/<date>/<time>_ddp docs/ddp_trace.png
+    python -m mnist_dist.tools.plot_trace outputs/<date>/<time>_ddp docs/ddp_trace.png
 
 Perfetto (ui.perfetto.dev) shows the whole trace; this picture answers one question offline: does the
 all-reduce run while backward still computes? The all-reduce bars are gloo's (or NCCL's) own events,

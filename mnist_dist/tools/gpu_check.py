@@ -1,8 +1,8 @@
 """GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (< 4 min, one H200).
 
     mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
-    python scripts/gpu_check.py                 # on a machine with CUDA
-    python scripts/gpu_check.py --device cpu    # every part that can run on a CPU (a smoke test of this script)
+    python -m mnist_dist.tools.gpu_check               # on a machine with CUDA
+    python -m mnist_dist.tools.gpu_check --device cpu  # every part that can run on a CPU (a smoke test)
 
 1. modes: single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps on generated
    data with dropout off (replicas would draw different masks): each exits 0, and dp, functional dp
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.metrics import tb_dir
+from mnist_dist.metrics import read_scalars
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DataParallelMode
 from mnist_dist.parallel import DistributedDataParallel, spawn
-from mnist_dist.results import train_in_subprocess
-from mnist_dist.synthetic import write_idx
+from mnist_dist.precision import Precision
+from mnist_dist.step import compute_gradients
+from mnist_dist.tools.run import train_in_subprocess
+from mnist_dist.tools.synthetic import write_idx
 
 AGREE_STEPS = 20
 TOLERANCE = 1e-3  # relative; cuDNN picks kernels per batch shape, so replicas differ in rounding
@@ -46,9 +46,7 @@ FASHION = Path(__file__).resolve().parent.parent / "data" / "fashion-mnist"  # i
 
 def losses(run_dir: Path) -> list[float]:
     """The run's training loss per step, the mean over ranks."""
-    events = EventAccumulator(str(tb_dir(run_dir)))
-    events.Reload()
-    return [e.value for e in events.Scalars("train/loss_global")]
+    return list(read_scalars(run_dir)["train/loss_global"].values())
 
 
 def train(run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
@@ -116,7 +114,7 @@ def gradient_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def gradients(model: torch.nn.Module, wrapped: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     for _ in range(2):  # our DDP: the first backward records the bucket plan, the second runs on it
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(wrapped(x), y).backward()
+        compute_gradients(wrapped, x, y, Precision("off", x.device))
     return {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
 
 

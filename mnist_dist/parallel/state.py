@@ -1,0 +1,73 @@
+"""A wrapped model's state as the plain model's: what a checkpoint saves and a resume loads, in every mode."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from mnist_dist.parallel.ddp import DistributedDataParallel
+from mnist_dist.parallel.dp import FunctionalDataParallel
+from mnist_dist.parallel.fsdp import sharded
+
+_WRAPPERS = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside an outer wrapper, for evaluation without wrapper machinery."""
+    return model.module if isinstance(model, _WRAPPERS) else model
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict the plain model would have: no ``module.`` from a wrapper, outer or inner
+    (dp_block wraps a submodule), so checkpoints load into the bare model class."""
+    model = unwrap(model)
+    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, _WRAPPERS)]
+    state = {}
+    for key, value in model.state_dict().items():
+        for prefix in inner:
+            if key.startswith(prefix + "module."):
+                key = prefix + key[len(prefix + "module.") :]
+        state[key] = value
+    return state
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Gathered on every rank, kept by rank 0 only; on the CPU, so a GPU needs no room for a full copy.
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state_dict (a collective in fsdp: every rank calls; rank 0's copy is complete)."""
+    if not sharded(model):
+        return plain_state_dict(model)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options())
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state_dict (a collective in fsdp, keyed by parameter name, not by position)."""
+    if not sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_full_options())
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Puts a checkpoint's optimizer state into ``optimizer``: in fsdp each rank keeps its own shard."""
+    if not sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    if any(isinstance(key, int) for key in state["state"]):  # written by another mode: keyed by position
+        state = {
+            "state": {names[key]: value for key, value in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

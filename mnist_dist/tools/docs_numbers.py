@@ -1,0 +1,65 @@
+"""Puts the tables that bench and compare wrote into the docs, verbatim, so the two cannot drift.
+
+    python -m mnist_dist.tools.docs_numbers --bench outputs/bench/<time> --compare outputs/compare/<date>/<time>
+    python -m mnist_dist.tools.docs_numbers --tta outputs/bench/<time>    # bench --time-to-accuracy's tta.md
+
+A page (README.md or any docs/*.md) marks a block with ``<!-- begin bench.md -->`` ... ``<!-- end bench.md -->``
+(and the same for compare.md and tta.md); everything between the two markers is replaced by that file,
+wherever the markers are, and the run's chart (bench.png, compare.png; tta.md has none) is copied to docs/.
+Measure on an idle machine: compare warns when it was not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: README.md and docs/
+
+
+def embed(text: str, name: str, block: str) -> str:
+    """``text`` with what lies between ``name``'s begin and end markers replaced by ``block``; ValueError
+    if ``text`` has no such block."""
+    pattern = re.compile(rf"(<!-- begin {re.escape(name)} -->\n).*?(<!-- end {re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no '<!-- begin {name} -->' ... '<!-- end {name} -->' block")
+    return pattern.sub(lambda match: match.group(1) + block.rstrip("\n") + "\n" + match.group(2), text, count=1)
+
+
+def pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", type=Path, help="a directory bench wrote (bench.md, bench.png)")
+    parser.add_argument("--compare", type=Path, help="a directory compare wrote (compare.md, compare.png)")
+    parser.add_argument("--tta", type=Path, help="a directory bench --time-to-accuracy wrote (tta.md)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository (README.md, docs/)")
+    args = parser.parse_args(argv)
+    texts = {page: page.read_text() for page in pages(args.root) if page.exists()}
+    for name, directory in (("bench", args.bench), ("compare", args.compare), ("tta", args.tta)):
+        if directory is None:
+            continue
+        table = directory / f"{name}.md"
+        if not table.exists():
+            sys.exit(f"error: {table} does not exist; pass the directory {name} wrote")
+        marked = [page for page, text in texts.items() if f"<!-- begin {name}.md -->" in text]
+        if not marked:
+            sys.exit(f"error: no page under {args.root} has a '<!-- begin {name}.md -->' block")
+        for page in marked:
+            texts[page] = embed(texts[page], f"{name}.md", table.read_text())
+        if (directory / f"{name}.png").exists():
+            shutil.copyfile(directory / f"{name}.png", args.root / "docs" / f"{name}.png")
+    for page, text in texts.items():
+        if page.read_text() != text:
+            page.write_text(text)
+            print(f"updated {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
