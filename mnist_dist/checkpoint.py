@@ -3,13 +3,8 @@ read back with clear errors, and holding every rank's random state so that a res
 exactly where the interrupted one stopped.
 
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
-a crafted file cannot run code. Its ``format`` key says which layout it has:
-
-- no key (format 1, before this key existed): read; a missing ``scaler`` (checkpoints written before
-  the fp16 loss scale was kept) counts as none, which is refused only with ``amp=fp16``.
-- 2: adds ``format`` and ``scaler``; read with ``epoch_step`` 0 (written at an epoch's end).
-- 3: the current layout: ``epoch_step`` is how many steps of epoch ``epoch + 1`` are done (0 at an
-  epoch's end), so a mid-epoch checkpoint (``checkpoint_every_steps``) resumes at its position.
+a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
+its own, ``FORMAT``, and names any other in a one-line refusal.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ _ENTRIES = {
     "scheduler": dict,
     "scaler": dict,
     "epoch": int,  # epochs completed
-    "epoch_step": int,  # steps done in the next epoch
+    "epoch_step": int,  # steps done in the next epoch (0 at an epoch's end; checkpoint_every_steps)
     "step": int,
     "rng": list,
     "world_size": int,
@@ -122,14 +117,12 @@ def load(path: Path) -> dict:
         raise ConfigError(
             f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)"
         )
-    version = state.pop("format", 1)
-    if version not in (1, 2, FORMAT):
+    version = state.pop("format", 1)  # the first layout had no format key
+    if version != FORMAT:
         raise ConfigError(
-            f"resume={path}: checkpoint format {version!r}, but this version of mnist_dist reads formats 1 to "
-            f"{FORMAT}; resume it with the version that wrote it"
+            f"resume={path}: checkpoint format {version!r}, but this version of mnist_dist reads format "
+            f"{FORMAT} only; resume it with the version that wrote it"
         )
-    state.setdefault("scaler", {})  # format 1 before the fp16 loss scale was kept: none
-    state.setdefault("epoch_step", 0)  # formats 1 and 2 checkpointed at epoch ends only
     wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
     if wrong:
         raise ConfigError(
@@ -167,8 +160,8 @@ def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
         )
     if cfg.amp == "fp16" and not state["scaler"]:
         raise ConfigError(
-            "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16, or by an older "
-            "mnist_dist); resume with the amp it was trained with"
+            "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
+            "it was trained with"
         )
     _check_restorable(state, cfg)
 
