@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from mnist_dist.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
 from mnist_dist.parallel.fsdp import shard
+from mnist_dist.parallel.syncbn import convert_sync_batchnorm
 
 
 class Processes(Enum):
@@ -59,10 +60,10 @@ class SplitMode:
 class TorchDDPMode:
     name: str = "torch_ddp"
     find_unused_parameters: bool = False  # allow parameters that get no gradient
-    # BatchNorm layers become SyncBatchNorm, which normalises with the statistics of the global batch
-    # instead of each rank's share, at the cost of a collective per layer in forward and in backward.
-    # It matters when that share is small, and batch_size is global, so more ranks mean smaller shares.
-    # CUDA only: torch's SyncBatchNorm does not run on CPU tensors.
+    # BatchNorm layers normalise with the statistics of the global batch instead of each rank's share, at
+    # the cost of a collective per layer in forward and in backward: then ddp computes what single does.
+    # It matters most when the share is small (batch_size is global: more ranks, smaller shares). On
+    # CUDA torch's SyncBatchNorm, elsewhere ours (mnist_dist/parallel/syncbn.py), which gloo runs.
     sync_batchnorm: bool = False
 
 
@@ -109,6 +110,9 @@ class Mode:
     all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
     max_gpus: int | None = None  # the most devices the mode can use
     process_group: bool = False  # needs torch.distributed initialised before wrap
+    # channels_last=true converts the weights too; False keeps them contiguous, as fully_shard requires,
+    # and only the images (so the activations) are NHWC.
+    channels_last_weights: bool = True
     # Said when the mode runs on the CPU because no CUDA device is visible; {world_size} is filled in.
     without_cuda: str = ""
 
@@ -171,8 +175,11 @@ def _split(model: nn.Module, mode: SplitMode, device: torch.device, gpus: int) -
 
 def _sync_batchnorm(model: nn.Module, mode: TorchDDPMode, device: torch.device) -> nn.Module:
     model = model.to(device)
-    # Before wrapping, so that the wrapper registers the converted layers (same parameters).
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if mode.sync_batchnorm else model
+    if not mode.sync_batchnorm:
+        return model
+    # Before wrapping, so that the wrapper registers the converted layers (same parameters). torch's
+    # raises on CPU tensors, and its fused CUDA kernels are faster than ours.
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else convert_sync_batchnorm(model)
 
 
 def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn.Module:
@@ -216,4 +223,14 @@ register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cud
 _GLOO = "in {world_size} processes with gloo"
 register(Mode("ddp", DDPMode, _ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
 register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
-register(Mode("fsdp", FSDPMode, _fsdp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
+register(
+    Mode(
+        "fsdp",
+        FSDPMode,
+        _fsdp,
+        Processes.PER_DEVICE,
+        process_group=True,
+        channels_last_weights=False,
+        without_cuda=_GLOO,
+    )
+)

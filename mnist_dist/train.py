@@ -27,8 +27,9 @@ from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
-from mnist_dist.modes import wrap_model
+from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import state, unwrap
+from mnist_dist.parallel.buffers import buffers_from_rank0
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
@@ -168,7 +169,7 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     model = instantiate_model(cfg.model)  # a bad model._target_ is one line saying what to do
     if resumed:
         model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
-    if cfg.channels_last:
+    if cfg.channels_last and MODES[cfg.mode.name].channels_last_weights:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model.compile()  # in place: parameter names, hooks and checkpoints stay as they are
@@ -242,6 +243,9 @@ def evaluate_now(run: Run) -> bool:
     run.throughput.pause()  # the next step starts its clock again
     with run.train_clock.paused():
         run.eval_clock.start()
+        # What rank 0 saves is what every rank evaluates (its share of the test set), so the reported
+        # accuracy is model.pt's. The wrappers' own broadcasts at the next training forward are unchanged.
+        buffers_from_rank0(run.model)
         with run.precision.autocast():
             run.test_loss, run.test_accuracy = evaluate(
                 unwrap(run.model),

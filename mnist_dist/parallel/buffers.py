@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @torch.no_grad()
@@ -15,3 +16,11 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
     """
     for tensor in tensors:  # a few small tensors: one collective each keeps this obvious
         dist.broadcast(tensor, src=0)
+
+
+def buffers_from_rank0(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none), e.g. before an evaluation:
+    each rank's last training forward updated its BatchNorm statistics from its own share, and rank 0's
+    are the ones a checkpoint saves. Nothing in one process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        broadcast_from_rank0(list(model.buffers()))
