@@ -111,13 +111,6 @@ def first_node(nodelist: str) -> str:
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
     mode = MODES[cfg.mode.name]
-    # torch's SyncBatchNorm all-reduces its statistics only for accelerator tensors: on CPU its forward
-    # raises and torch DDP refuses it, so say so before anything starts.
-    if getattr(cfg.mode, "sync_batchnorm", False) and device_type == "cpu" and mode.process_group:
-        raise ConfigError(
-            "mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on CPU "
-            "tensors; use mode.sync_batchnorm=false on CPU"
-        )
     backend = ("nccl" if device_type == "cuda" else "gloo") if mode.process_group else None
     return Topology(
         cfg.mode.name,

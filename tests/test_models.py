@@ -1,5 +1,5 @@
 """Models other than the convnet train with the unchanged trainer: the ResNet with BatchNorm, and a
-class from the user's own package; their checkpoints load into the bare class; SyncBatchNorm on CPU."""
+class from the user's own package; their checkpoints load into the bare class; synchronised BatchNorm on CPU."""
 
 import importlib.util
 import json
@@ -12,11 +12,11 @@ import torch
 from helpers import compose_config, scalars
 from torch import nn
 
-from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import ResNet
-from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
+from mnist_dist.modes import DDPMode, TorchDDPMode, _sync_batchnorm, wrap_model
 from mnist_dist.parallel import plain_state_dict
+from mnist_dist.parallel.syncbn import SyncBatchNorm
 
 # 640 tiny images at a global batch of 32: 20 steps, a loss value every 5.
 RESNET = ["model=resnet", "epochs=1", "batch_size=32", "log_every=5"]
@@ -101,28 +101,20 @@ def test_a_model_from_the_users_own_package_trains_in_ddp(tiny_root, tmp_path):
     user_module.TinyNet(hidden=32).load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
 
 
-def test_sync_batchnorm_on_cpu_is_a_config_error(make_config, tmp_path):
-    cfg = make_config("model=resnet", "mode=ddp", "gpus=2", "device=cpu", "mode.sync_batchnorm=true")
-    with pytest.raises(ConfigError) as error:
-        launch(cfg, tmp_path)
-    assert str(error.value) == (
-        "mode.sync_batchnorm=true needs CUDA: torch's SyncBatchNorm does not run on "
-        "CPU tensors; use mode.sync_batchnorm=false on CPU"
-    )
-    assert not list(tmp_path.iterdir())  # refused before anything was written
-
-
-def test_sync_batchnorm_converts_the_layers_and_is_refused_on_cpu_by_torch(one_rank):
+def test_sync_batchnorm_converts_the_layers_to_ours_on_cpu_and_torchs_on_cuda(one_rank, monkeypatch):
     def batchnorms(model):
         return [type(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     plain = wrap_model(ResNet(), DDPMode(), torch.device("cpu"))
     assert batchnorms(plain) == [nn.BatchNorm2d] * 9
-    synced = wrap_model(ResNet(), DDPMode(sync_batchnorm=True), torch.device("cpu"))
-    assert batchnorms(synced) == [nn.SyncBatchNorm] * 9
-    ResNet().load_state_dict(plain_state_dict(synced))  # same keys as BatchNorm's
-    # Why the launcher refuses it on CPU (torch 2.14): SyncBatchNorm's forward and torch DDP both do.
-    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
-        synced(torch.randn(4, 1, 28, 28))
-    with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
-        wrap_model(ResNet(), TorchDDPMode(sync_batchnorm=True), torch.device("cpu"))
+    for mode in (DDPMode(sync_batchnorm=True), TorchDDPMode(sync_batchnorm=True)):
+        synced = wrap_model(ResNet(), mode, torch.device("cpu"))
+        assert batchnorms(synced) == [SyncBatchNorm] * 9  # torch's raises on CPU tensors; ours runs on gloo
+        ResNet().load_state_dict(plain_state_dict(synced))  # same keys as BatchNorm's
+        synced(torch.randn(4, 1, 28, 28)).sum().backward()
+    # On CUDA torch's SyncBatchNorm (faster kernels); the conversion is all that runs here without a GPU.
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: self)
+    assert (
+        batchnorms(_sync_batchnorm(ResNet(), DDPMode(sync_batchnorm=True), torch.device("cuda")))
+        == [nn.SyncBatchNorm] * 9
+    )

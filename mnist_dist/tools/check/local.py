@@ -75,7 +75,7 @@ def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
     if not layers:
         return "OK", "batchnorm", "no BatchNorm layers"
     if getattr(cfg.mode, "sync_batchnorm", False):
-        return "OK", "batchnorm", f"{len(layers)} BatchNorm layer(s) become SyncBatchNorm in ddp modes (CUDA only)"
+        return "OK", "batchnorm", f"{len(layers)} BatchNorm layer(s) normalise over the global batch in ddp modes"
     share = cfg.batch_size // cfg.gpus
     return (
         "WARN",
@@ -83,7 +83,7 @@ def check_batchnorm(cfg: Config, model: nn.Module) -> Line:
         f"{len(layers)} BatchNorm layer(s) ({names(layers)}) normalise with each "
         f"rank's share of the batch in ddp modes ({share} images at batch_size={cfg.batch_size}, "
         f"gpus={cfg.gpus}), not the global batch: it rarely matters at 32 or more, it hurts below "
-        "about 16; mode.sync_batchnorm=true (CUDA) uses the global batch's statistics",
+        "about 16; mode.sync_batchnorm=true uses the global batch's statistics (then ddp equals single)",
     )
 
 

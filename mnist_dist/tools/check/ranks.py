@@ -36,8 +36,8 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
         wrapped, grads = {}, {}
         for name in ("ddp", "torch_ddp"):  # ours against the oracle
             mode = MODES[name].schema(name=name, find_unused_parameters=find_unused)
-            if cfg.mode.name == name:  # as configured, but SyncBatchNorm does not run on CPU
-                mode = dataclasses.replace(cfg.mode, sync_batchnorm=False, find_unused_parameters=find_unused)
+            if cfg.mode.name == name:  # as configured
+                mode = dataclasses.replace(cfg.mode, find_unused_parameters=find_unused)
             wrapped[name] = wrap_model(build(cfg), mode, torch.device("cpu"))
             torch.manual_seed(cfg.seed + rank)  # the same dropout masks under both wrappers
             step(wrapped[name], x, y)

@@ -1,0 +1,104 @@
+"""BatchNorm over the global batch on any backend: gloo on CPU included, where torch's SyncBatchNorm raises.
+
+With one BatchNorm per rank, each rank normalises with the statistics of its own share, so N ranks do
+not compute what one process computes on the global batch. Here the forward adds up every rank's per-channel
+sum, sum of squares and count in one all-reduce, and normalises with the global mean and variance; the
+running statistics follow the global batch too, so every rank holds the same ones. The backward adds up
+the two per-channel sums the input's gradient needs (of the gradient, and of the gradient times the
+centred input) in one more all-reduce. The weight's and bias's gradients stay this rank's own: the DDP
+wrapper averages them, as it averages every other parameter's (torch's SyncBatchNorm does the same).
+
+In eval mode, or without a process group of more than one rank, it is a plain BatchNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class SyncBatchNorm(_BatchNorm):
+    """A drop-in for ``nn.BatchNorm1d/2d/3d`` (same parameters and buffers, so state dicts load both ways)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(input)
+        if not self.track_running_stats:
+            momentum = 0.0
+        elif self.momentum is None:  # a cumulative average, as BatchNorm's momentum=None
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / self.num_batches_tracked.item()
+        else:
+            self.num_batches_tracked.add_(1)
+            momentum = self.momentum
+        running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        return _GlobalBatchNorm.apply(input, self.weight, self.bias, *running, self.eps, momentum)
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
+        dims = [d for d in range(x.dim()) if d != 1]  # all but the channels
+        xf = x.float()
+        count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float32, device=x.device)
+        stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
+        dist.all_reduce(stats)
+        channels = x.shape[1]
+        total = stats[-1]
+        mean = stats[:channels] / total
+        var = (stats[channels : 2 * channels] / total - mean * mean).clamp_(min=0)  # biased, as normalised
+        invstd = torch.rsqrt(var + eps)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        xhat = (xf - mean.view(shape)) * invstd.view(shape)
+        y = xhat if weight is None else xhat * weight.view(shape) + bias.view(shape)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+                unbiased = var * total / (total - 1).clamp(min=1)
+                running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.total = total
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xhat, invstd, weight = ctx.saved_tensors
+        dims = [d for d in range(xhat.dim()) if d != 1]
+        shape = [1, xhat.shape[1]] + [1] * (xhat.dim() - 2)
+        g = grad_y.float()
+        local = torch.cat([g.sum(dims), (g * xhat).sum(dims)])  # this rank's: the parameters' gradients
+        summed = local.clone()
+        dist.all_reduce(summed)  # every rank's: the input's gradient goes through the global statistics
+        channels = xhat.shape[1]
+        mean_g, mean_g_xhat = (summed[:channels] / ctx.total), (summed[channels:] / ctx.total)
+        scale = invstd if weight is None else invstd * weight.float()
+        grad_x = (g - mean_g.view(shape) - xhat * mean_g_xhat.view(shape)) * scale.view(shape)
+        grad_weight = grad_bias = None
+        if weight is not None:
+            grad_weight, grad_bias = local[channels:].to(weight.dtype), local[:channels].to(weight.dtype)
+        return grad_x.to(grad_y.dtype), grad_weight, grad_bias, None, None, None, None
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` holding the same parameters and
+    buffers (the counterpart of ``nn.SyncBatchNorm.convert_sync_batchnorm``, for any backend)."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+        converted = SyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        if module.affine:
+            converted.weight, converted.bias = module.weight, module.bias
+        converted.running_mean, converted.running_var = module.running_mean, module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
+        converted.train(module.training)
+        return converted
+    for name, child in module.named_children():
+        setattr(module, name, convert_sync_batchnorm(child))
+    return module

@@ -1,0 +1,103 @@
+"""Our SyncBatchNorm on gloo: N ranks normalise, learn and keep running statistics as one process does on the
+concatenated batch, unequal shares included; in the trainer, a BatchNorm model's ddp run equals single."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import compose_config, run_batch, scalars
+from torch import nn
+
+from mnist_dist.launch import launch
+from mnist_dist.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+
+SHARES = {2: [3, 5], 3: [4, 1, 6]}  # images per rank: unequal on purpose
+
+
+def batch(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    total = sum(SHARES[world_size])
+    x = 3 * torch.randn(total, 4, 5, 5, generator=generator) + 1
+    return x, torch.randn(total, 4, 5, 5, generator=generator)  # the upstream gradient, a weighted sum's
+
+
+def layer() -> nn.Module:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+    return bn
+
+
+def two_steps(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> dict:
+    x = x.clone().requires_grad_()
+    for _ in range(2):  # two steps: the running statistics move twice
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        y = module(x)
+        (y * upstream).sum().backward()  # a sum over images: the ranks' losses add up to the global one
+    return {
+        "y": y.detach(),
+        "grad_x": x.grad,
+        "grad_weight": module.weight.grad,
+        "grad_bias": module.bias.grad,
+        "running": (module.running_mean.clone(), module.running_var.clone(), module.num_batches_tracked.clone()),
+        "eval": module.eval()(x.detach()),
+    }
+
+
+def on_ranks(rank: int, world_size: int) -> dict:
+    x, upstream = batch(world_size)
+    start = sum(SHARES[world_size][:rank])
+    share = slice(start, start + SHARES[world_size][rank])
+    found = two_steps(convert_sync_batchnorm(nn.Sequential(layer()))[0], x[share], upstream[share])
+    for key in ("grad_weight", "grad_bias"):  # this rank's own: the DDP wrapper adds them up (averages)
+        dist.all_reduce(found[key])
+    found["share"] = share
+    return found
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return {n: run_batch({"bn": (on_ranks,)}, n, tmp_path_factory.mktemp(f"syncbn{n}"))["bn"] for n in SHARES}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_compute_what_one_process_computes_on_the_whole_batch(ranks, world_size):
+    expected = two_steps(layer(), *batch(world_size))
+    for found in ranks[world_size]:
+        share = found["share"]
+        torch.testing.assert_close(found["y"], expected["y"][share], rtol=0, atol=1e-5)
+        torch.testing.assert_close(found["grad_x"], expected["grad_x"][share], rtol=0, atol=1e-5)
+        torch.testing.assert_close(found["eval"], expected["eval"][share], rtol=0, atol=1e-5)
+        for key in ("grad_weight", "grad_bias"):
+            torch.testing.assert_close(found[key], expected[key], rtol=0, atol=1e-4)
+        for mine, single in zip(found["running"], expected["running"]):
+            torch.testing.assert_close(mine, single, rtol=0, atol=1e-5)
+
+
+def test_conversion_keeps_parameters_and_state_dict_keys():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(3)))
+    weight = model[1].weight
+    converted = convert_sync_batchnorm(model)
+    assert isinstance(converted[1], SyncBatchNorm) and isinstance(converted[2][0], SyncBatchNorm)
+    assert converted[1].weight is weight
+    assert list(converted.state_dict()) == list(
+        nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(3))).state_dict()
+    )
+    x = torch.randn(6, 4, 3, 3)
+    torch.testing.assert_close(SyncBatchNorm(4)(x), nn.BatchNorm2d(4)(x))  # one process: a BatchNorm
+
+
+STEPS = ("model=fastnet", "channels_last=false", "epochs=1", "batch_size=30", "log_every=1", "optim=sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,gpus", [("ddp", 2), ("torch_ddp", 3)])
+def test_a_batchnorm_models_ddp_run_equals_single_with_sync_batchnorm(tiny_root, tmp_path, mode, gpus):
+    curves = {}
+    for name, overrides in (("single", ()), (mode, (f"mode={mode}", f"gpus={gpus}", "mode.sync_batchnorm=true"))):
+        (tmp_path / name).mkdir()
+        launch(compose_config(tiny_root, *STEPS, *overrides), tmp_path / name)
+        curves[name] = torch.tensor(scalars(tmp_path / name)["train/loss_global"])
+    assert len(curves["single"]) == 21  # 640 images / 30
+    torch.testing.assert_close(curves[mode], curves["single"], rtol=0, atol=1e-5)
