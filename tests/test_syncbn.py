@@ -9,6 +9,7 @@ from torch import nn
 
 from mnist_dist.launch import launch
 from mnist_dist.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from mnist_dist.tools.compare import compose_configs
 
 SHARES = {2: [3, 5], 3: [4, 1, 6]}  # images per rank: unequal on purpose
 
@@ -101,3 +102,10 @@ def test_a_batchnorm_models_ddp_run_equals_single_with_sync_batchnorm(tiny_root,
         curves[name] = torch.tensor(scalars(tmp_path / name)["train/loss_global"])
     assert len(curves["single"]) == 21  # 640 images / 30
     torch.testing.assert_close(curves[mode], curves["single"], rtol=0, atol=1e-5)
+
+
+def test_compare_synchronises_batchnorm_where_the_mode_can():
+    configs = compose_configs(["single", "ddp", "torch_ddp"], ["recipe=fast"])
+    assert [getattr(cfg.mode, "sync_batchnorm", None) for cfg in configs.values()] == [None, True, True]
+    convnet = compose_configs(["ddp"], [])  # no BatchNorm: nothing to synchronise
+    assert convnet["ddp"].mode.sync_batchnorm is False

@@ -30,8 +30,10 @@ import yaml
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from torch import nn
 
 from mnist_dist import machine
+from mnist_dist.build import instantiate_model
 from mnist_dist.config import ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
@@ -212,15 +214,27 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
 
 
 def compose_configs(modes: list[str], overrides: list[str]) -> dict:
+    """Each mode's config: dropout off where the model has it, and BatchNorm synchronised where the mode
+    can (ranks would otherwise each normalise with their own share's statistics, which single does not)."""
     configs = {}
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         for mode in modes:
             cfg = compose("config", overrides=[*overrides, f"mode={mode}"])
             if "dropout" in cfg.model:
                 cfg.model.dropout = False
+            if "sync_batchnorm" in cfg.mode and _has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
+                cfg.mode.sync_batchnorm = True
+                print(
+                    f"compare: mode={mode} with mode.sync_batchnorm=true, so that its BatchNorm sees the global batch"
+                )
             configs[mode] = OmegaConf.to_object(cfg)
             validate(configs[mode])
     return configs
+
+
+def _has_batchnorm(model_cfg) -> bool:
+    model = instantiate_model(model_cfg)
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
 
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
