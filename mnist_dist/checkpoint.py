@@ -27,7 +27,7 @@ from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
 
-FORMAT = 3
+FORMAT = 4
 # What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
 _ENTRIES = {
     "model": dict,
@@ -38,6 +38,7 @@ _ENTRIES = {
     "epoch_step": int,  # steps done in the next epoch (0 at an epoch's end; checkpoint_every_steps)
     "step": int,
     "rng": list,
+    "meters": list,  # by rank: clocks, images and seconds counted, a split log window's losses
     "world_size": int,
     "config": str,
 }
@@ -185,6 +186,15 @@ def _check_restorable(state: dict, cfg: Config) -> None:
         ) from None
 
 
+def gather_objects(mine: Any) -> list:
+    """Every rank's ``mine``, by rank (a collective; ``[mine]`` in one process)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def rng_states_of_all_ranks() -> list[dict]:
     """Every rank's generators (Python, torch CPU, CUDA), by rank: dropout continues as if never stopped."""
     mine = {
@@ -192,11 +202,7 @@ def rng_states_of_all_ranks() -> list[dict]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
     }
-    if not dist.is_initialized():
-        return [mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_objects(mine)
 
 
 def restore_rng(states: list[dict], rank: int) -> None:

@@ -1,7 +1,7 @@
 """Honest numbers: synchronised timing without warm-up, TensorBoard scalars, global reductions.
 
 One TensorBoard run per training run, ``<run>/tb``, written by rank 0 alone: every log window the
-ranks gather their numbers to it (one collective), so a sweep lists one run per mode, a resume purges
+ranks gather their numbers to it (one collective), so a sweep lists one run per mode, a resume continues
 one event stream, and a node without a shared disk has nothing of TensorBoard to lose. Tag names are
 stable, so runs of every mode overlay:
 
@@ -206,6 +206,13 @@ class Stopwatch:
             self.seconds += time.perf_counter() - self.started
             self.started = None
 
+    def read(self) -> float:
+        """Seconds so far, the interval running now included."""
+        if self.started is None:
+            return self.seconds
+        synchronize(self.device)
+        return self.seconds + time.perf_counter() - self.started
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Not counting inside the block; counting again after it if it was counting before."""
@@ -289,12 +296,37 @@ class StepTimer:
 
 class Scalars:
     """The run's TensorBoard directory, ``tb_dir(run_dir)``, with the chart layout; written on rank 0,
-    a no-op on the other ranks (they gather their numbers to rank 0)."""
+    a no-op on the other ranks (they gather their numbers to rank 0).
 
-    def __init__(self, run_dir: Path, rank: int, purge_step: int | None = None) -> None:
-        self.writer = SummaryWriter(str(tb_dir(run_dir)), purge_step=purge_step) if rank == 0 else None
-        if self.writer is not None:
-            self.writer.file_writer.add_summary(custom_scalars_summary())
+    Opened at the first write, so a run that fails before it logs anything leaves no TensorBoard run.
+    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from. Its first
+    write keeps every point the run logged up to there, on every tag (the time axis by its own unit), and
+    drops what the interrupted run logged after it. TensorBoard's own purge_step cannot do this: it drops
+    every step above it on every tag, the time axis's milliseconds included, and a resume that fails
+    after it was written would hide the history for good.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
+        self.directory = tb_dir(run_dir)
+        self.rank = rank
+        self.resumed_at = resumed_at
+        self._writer: SummaryWriter | None = None
+
+    @property
+    def writer(self) -> SummaryWriter | None:
+        if self.rank != 0 or self._writer is not None:
+            return self._writer
+        old = sorted(self.directory.glob("events.out.tfevents.*")) if self.resumed_at else []
+        kept = _events_up_to(old, *self.resumed_at) if old else []
+        self._writer = SummaryWriter(str(self.directory))
+        if not kept:
+            self._writer.file_writer.add_summary(custom_scalars_summary())
+        for event in kept:  # the layout among them
+            self._writer.file_writer.add_event(event, walltime=event.wall_time)
+        self._writer.flush()
+        for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
+            path.unlink()
+        return self._writer
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
@@ -315,8 +347,29 @@ class Scalars:
             self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
+
+
+def _events_up_to(paths: list[Path], step: int, train_ms: float) -> list:
+    """The events of ``paths`` but the scalars logged after ``step`` (after ``train_ms`` on the time axis)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    kept = []
+    for path in paths:
+        for record in RawEventFileLoader(str(path)).Load():  # as written: EventFileLoader rewrites scalars
+            event = Event.FromString(record)
+            if event.HasField("file_version"):  # the new file has its own
+                continue
+            scalars = [v.tag for v in event.summary.value if v.WhichOneof("value") == "simple_value"]
+            if any(event.step > (train_ms if tag in TIME_AXIS else step) for tag in scalars):
+                continue
+            kept.append(event)
+    return kept
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class Run:
     steps_to_target: int | None = None  # the first evaluated step at or above cfg.target_accuracy
     time_to_target_s: float | None = None  # training time (train_clock) up to that step
     scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
+    window_losses: list[torch.Tensor] = field(default_factory=list)  # this log window's, on the device
 
     def __post_init__(self) -> None:
         self.train_clock, self.eval_clock = Stopwatch(self.throughput.device), Stopwatch(self.throughput.device)
@@ -81,8 +82,9 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     setup_logging(run_dir, topology.rank)
     device = topology.device  # mnist_dist.topology.setup_process set this process up
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
-    # On resume, drop any scalars the interrupted run wrote after its checkpoint: no duplicate steps.
-    scalars = Scalars(run_dir, topology.rank, purge_step=resumed["step"] + 1 if resumed else None)
+    # On resume, TensorBoard keeps what was logged up to the checkpoint and drops what came after it.
+    resumed_at = (resumed["step"], 1000 * resumed["meters"][0]["train_s"]) if resumed else None
+    scalars = Scalars(run_dir, topology.rank, resumed_at)
     try:
         run = build(cfg, topology, run_dir, raw_dir, device, scalars, resumed)
         for epoch in range(run.first_epoch, cfg.epochs + 1):
@@ -183,6 +185,7 @@ def restore(run: Run, resumed: dict) -> None:
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
     checkpoint.restore_rng(resumed["rng"], run.topology.rank)
+    restore_meters(run, resumed["meters"])
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
 
 
@@ -191,10 +194,11 @@ def run_epoch(run: Run, epoch: int) -> None:
     cfg, rank = run.cfg, run.topology.rank
     run.model.train()
     order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
-    window_losses = []  # kept on the device: no sync per step
     run.progress.set_epoch(epoch, cfg.epochs)
     batches = rank_batches(order, cfg.batch_size, rank, run.topology.world_size)
     done, run.skip = run.skip, 0  # after a mid-epoch checkpoint: go on from its position
+    if not done:
+        run.window_losses = []  # kept on the device: no sync per step
     run.train_clock.start()
     for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
@@ -204,20 +208,20 @@ def run_epoch(run: Run, epoch: int) -> None:
         loss = train_step(run.model, run.optimizer, x, y, run.precision, cfg.accumulate, cfg.label_smoothing)
         if run.scheduler_per_step:
             run.scheduler.step()
-        window_losses.append(loss.detach())
+        run.window_losses.append(loss.detach())
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
             run.state_bytes = max(run.state_bytes, state_bytes(run.model, run.optimizer))  # gradients still held
-            loss_value = check_finite(torch.stack(window_losses), run.step, rank).mean().item()
+            loss_value = check_finite(torch.stack(run.window_losses), run.step, rank).mean().item()
             log_window(run, loss_value)
-            window_losses = []
+            run.window_losses = []
         run.progress.step()
         between_steps(run, epoch, position)
         if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0 and evaluate_now(run):
             break  # the target is reached
     run.train_clock.stop()
-    if window_losses:  # the epoch's last steps, short of a full window
-        check_finite(torch.stack(window_losses), run.step, rank)
+    if run.window_losses:  # the epoch's last steps, short of a full window
+        check_finite(torch.stack(run.window_losses), run.step, rank)
     run.throughput.pause()
 
 
@@ -297,6 +301,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     (a collective: every rank's random state is gathered)."""
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
     rng = checkpoint.rng_states_of_all_ranks()
+    meters = checkpoint.gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
     model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
         saved = {
@@ -308,11 +313,35 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "epoch_step": epoch_step,
             "step": run.step,
             "rng": rng,
+            "meters": meters,
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
             "format": checkpoint.FORMAT,
         }
         checkpoint.save_kept(saved, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
+
+
+def meters_of(run: Run, mid_epoch: bool) -> dict:
+    """What this rank has counted so far, for a resumed run to go on counting: its clocks, its images and
+    seconds, and mid-epoch the losses of the log window a checkpoint splits."""
+    return {
+        "train_s": run.train_clock.read(),  # mid-epoch it is running
+        "eval_s": run.eval_clock.read(),
+        "images": run.throughput.total_images,
+        "images_s": run.throughput.total_seconds,
+        "window_losses": [loss.item() for loss in run.window_losses] if mid_epoch else [],
+    }
+
+
+def restore_meters(run: Run, by_rank: list[dict]) -> None:
+    """A resumed run's clocks and counts go on from the checkpoint's (a rank it did not have starts at 0)."""
+    if run.topology.rank >= len(by_rank):
+        return
+    meters = by_rank[run.topology.rank]
+    run.train_clock.seconds, run.eval_clock.seconds = meters["train_s"], meters["eval_s"]
+    run.throughput.total_images, run.throughput.total_seconds = meters["images"], meters["images_s"]
+    device = run.train_x.device
+    run.window_losses = [torch.tensor(loss, device=device) for loss in meters["window_losses"]]
 
 
 def log_window(run: Run, loss: float) -> None:

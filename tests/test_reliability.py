@@ -350,7 +350,7 @@ def test_a_checkpoint_without_a_loss_scale_is_refused_with_fp16(tiny_root, train
     )
 
 
-@pytest.mark.parametrize("version", [None, 2, 99])  # None: the first layout, which had no format key
+@pytest.mark.parametrize("version", [None, 2, 3, 99])  # None: the first layout, which had no format key
 def test_a_checkpoint_of_another_format_is_refused_naming_it(trained, tmp_path, version):
     state = torch.load(trained / "checkpoint.pt", weights_only=True)
     del state["format"]
@@ -361,7 +361,7 @@ def test_a_checkpoint_of_another_format_is_refused_naming_it(trained, tmp_path, 
         checkpoint.load(tmp_path / "checkpoint.pt")
     assert str(error.value) == (
         f"resume={tmp_path}/checkpoint.pt: checkpoint format {version or 1}, but this version of mnist_dist reads "
-        "format 3 only; resume it with the version that wrote it"
+        f"format {checkpoint.FORMAT} only; resume it with the version that wrote it"
     )
 
 
