@@ -4,9 +4,10 @@
 
 Fits a small MLP to y = sin(3·x·w) + noise (generated data, 8 features) on 2 CPU ranks with gloo,
 and checks that it learned: the test MSE must fall below a tenth of the targets' variance; exits 1
-otherwise. From mnist_dist it takes only ``DistributedDataParallel``, ``spawn`` (processes, rendezvous,
-failure handling) and the sharding helpers; the model, data and loop are this file's. The lines marked
-``ADDED FOR DISTRIBUTED`` are what a one-process version of this script would not have.
+otherwise. Of mnist_dist it imports only ``mnist_dist.parallel`` (``DistributedDataParallel`` and
+``spawn``: processes, rendezvous, failure handling), itself files to copy; the model, data, sharding
+and loop are this file's. The lines marked ``ADDED FOR DISTRIBUTED`` are what a one-process version
+of this script would not have.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, spawn
-from mnist_dist.sharding import epoch_order, eval_shard, rank_batches
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 64  # per optimizer step, over all ranks: the same training whatever WORLD_SIZE is
@@ -47,17 +47,20 @@ def worker(rank: int, world_size: int) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
     for epoch in range(EPOCHS):
-        # ADDED FOR DISTRIBUTED: one permutation per epoch, the same on every rank (it depends on the
-        # epoch, as DistributedSampler.set_epoch makes it), each rank its part of every global batch.
-        order = epoch_order(len(train_x), SEED, epoch)
-        for indices in rank_batches(order, GLOBAL_BATCH, rank, world_size):
+        # ADDED FOR DISTRIBUTED: one permutation per epoch, the same on every rank (a function of the
+        # seed and the epoch, as DistributedSampler.set_epoch makes it), each rank its part of every
+        # global batch; the last incomplete global batch is dropped, so every rank takes as many steps.
+        order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(SEED * 100_003 + epoch))
+        per_rank = GLOBAL_BATCH // world_size
+        for start in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
+            indices = order[start + rank * per_rank : start + (rank + 1) * per_rank]
             optimizer.zero_grad(set_to_none=True)
             F.mse_loss(model(train_x[indices]), train_y[indices]).backward()  # averaged over the ranks on return
             optimizer.step()
 
     # ADDED FOR DISTRIBUTED: each rank scores a disjoint share of the test set and the sums are added,
     # so every test sample counts once (no padding duplicates).
-    share = eval_shard(len(test_x), rank, world_size)
+    share = slice(len(test_x) * rank // world_size, len(test_x) * (rank + 1) // world_size)
     with torch.no_grad():
         totals = torch.stack(
             [
