@@ -1,5 +1,5 @@
 """What a person sees in TensorBoard after a sweep: one run per mode named by its mode first, the
-comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in the README."""
+comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in docs/tensorboard.md."""
 
 import re
 import subprocess
@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mnist_dist.metrics import LAYOUT, tb_dir
 
-README = Path(__file__).parent.parent / "README.md"
+TAGS_PAGE = Path(__file__).parent.parent / "docs" / "tensorboard.md"  # the page that lists every tag
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
 
 
@@ -57,6 +57,6 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     for _, _, charts in LAYOUT:  # every chart of the layout has something to show
         for title, regex in charts:
             assert any(re.search(regex, tag) for tag in written), title
-    listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", README.read_text()))
+    listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", TAGS_PAGE.read_text()))
     named = {re.sub(r"^rank_\d+/", "", tag) for tag in written}
     assert named <= listed, sorted(named - listed)
