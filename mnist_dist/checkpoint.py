@@ -133,15 +133,15 @@ def load(path: Path) -> dict:
     return state
 
 
-def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
-    """Refuses to continue a run with a different model, global batch or world size (``ranks``), unless
-    told to, and anything the run could not restore: checked before anything is written."""
+def check_resumable(state: dict, cfg: Config) -> None:
+    """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
+    the run could not restore: checked before anything is written. Another world size is no change: the
+    global batches, and so the training, are the same at every world size that divides the batch."""
     try:
         saved = OmegaConf.create(state["config"])
         compared = [
             ("model", OmegaConf.to_container(saved.model), cfg.model),
             ("batch_size", saved.batch_size, cfg.batch_size),
-            ("world_size", state["world_size"], ranks),
             ("data", saved.data.name, cfg.data.name),
         ]
     except Exception:
@@ -206,7 +206,7 @@ def rng_states_of_all_ranks() -> list[dict]:
 
 
 def restore_rng(states: list[dict], rank: int) -> None:
-    if rank >= len(states):  # resumed on more ranks (resume_allow_changes): new ranks keep their seed
+    if rank >= len(states):  # resumed on more ranks: new ranks keep their seed
         return
     random.setstate(states[rank]["python"])
     torch.set_rng_state(states[rank]["torch"])

@@ -109,7 +109,7 @@ class Config:
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
     keep_checkpoints: int = 2  # checkpoints kept: checkpoint.pt (the newest), checkpoint.1.pt, ...
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
-    resume_allow_changes: bool = False  # resume even if the model, global batch or world size changed
+    resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
 def validate(cfg: Config) -> None:

@@ -116,7 +116,15 @@ def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
     if not cfg.resume:
         return run_dir
     path = checkpoint.locate(cfg.resume)
-    checkpoint.check_resumable(checkpoint.load(path), cfg, ranks)
+    state = checkpoint.load(path)
+    checkpoint.check_resumable(state, cfg)
+    if state["world_size"] != ranks:
+        log.info(
+            "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
+            ranks,
+            state["world_size"],
+            ranks,
+        )
     cfg.resume = str(path)
     return path.parent  # the run goes on in its own directory
 

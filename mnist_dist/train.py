@@ -334,11 +334,12 @@ def meters_of(run: Run, mid_epoch: bool) -> dict:
 
 
 def restore_meters(run: Run, by_rank: list[dict]) -> None:
-    """A resumed run's clocks and counts go on from the checkpoint's (a rank it did not have starts at 0)."""
-    if run.topology.rank >= len(by_rank):
+    """A resumed run's clocks go on from rank 0's; each rank's counts and split log window from its own, on
+    as many ranks as the checkpoint's (on another number, each rank's share is another: they start anew)."""
+    run.train_clock.seconds, run.eval_clock.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
+    if len(by_rank) != run.topology.world_size:
         return
     meters = by_rank[run.topology.rank]
-    run.train_clock.seconds, run.eval_clock.seconds = meters["train_s"], meters["eval_s"]
     run.throughput.total_images, run.throughput.total_seconds = meters["images"], meters["images_s"]
     device = run.train_x.device
     run.window_losses = [torch.tensor(loss, device=device) for loss in meters["window_losses"]]

@@ -70,4 +70,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
             "state": {names[key]: value for key, value in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
         }
+    if not any(isinstance(v, torch.Tensor) for entry in state["state"].values() for v in entry.values()):
+        # Nothing to shard (SGD without momentum): torch's loader cannot tell the device and raises, and
+        # the hyperparameters are all there is to restore.
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        return
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

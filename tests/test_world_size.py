@@ -1,0 +1,84 @@
+"""Any world size, exactly: the global batch fixes the training, so a job gives the same curve on 1 to 4 ranks,
+and a checkpoint written on 2 ranks resumes on 1, 3 or 4 at the exact global sample where it stopped."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from helpers import compose_config, scalars
+
+from mnist_dist import checkpoint
+from mnist_dist.launch import _resume, launch
+
+# 48 images per step divide among 1, 2, 3 and 4 ranks; SGD and no dropout: nothing depends on the ranks.
+JOB = ("epochs=2", "batch_size=48", "optim=sgd", "model.dropout=false", "log_every=1")
+MID_EPOCH = ("checkpoint_every_steps=5", "keep_checkpoints=7")  # 13 steps per epoch: saved at 5, 10, 13, ...
+
+
+def train(tiny_root, run_dir, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(compose_config(tiny_root, *JOB, *overrides), run_dir)
+    return torch.load(run_dir / "model.pt")
+
+
+def assert_close_weights(found: dict, expected: dict) -> None:
+    for key, value in expected.items():
+        torch.testing.assert_close(found[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_root, tmp_path_factory):
+    """Uninterrupted 2-rank runs (ddp and fsdp), every checkpoint kept."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    for mode in ("ddp", "fsdp"):
+        train(tiny_root, out / mode, f"mode={mode}", "gpus=2", *MID_EPOCH)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,ranks", [("ddp", 1), ("ddp", 3), ("ddp", 4), ("fsdp", 3)])
+def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_ranks(tiny_root, two_ranks, tmp_path, mode, ranks):
+    saved = two_ranks / mode / "checkpoint.5.pt"
+    state = checkpoint.load(saved)
+    assert (state["world_size"], state["epoch"], state["epoch_step"], state["step"]) == (2, 0, 10, 10)
+    (tmp_path / "run").mkdir()
+    shutil.copyfile(saved, tmp_path / "run" / "checkpoint.pt")
+    resumed = train(tiny_root, tmp_path / "run", f"mode={mode}", f"gpus={ranks}", "resume=auto")
+    assert_close_weights(resumed, torch.load(two_ranks / mode / "model.pt"))
+    whole, part = scalars(two_ranks / mode)["train/loss_global"], scalars(tmp_path / "run")["train/loss_global"]
+    torch.testing.assert_close(torch.tensor(part), torch.tensor(whole[10:]), rtol=0, atol=1e-5)  # steps 11 to 26
+
+
+def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(tiny_root, two_ranks, caplog):
+    mnist_dist_log = logging.getLogger("mnist_dist")
+    mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
+    try:
+        with caplog.at_level(logging.INFO, logger="mnist_dist"):
+            _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3"), two_ranks, 3)
+    finally:
+        mnist_dist_log.propagate = before
+    assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
+    with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
+        _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3", "batch_size=24"), None, 3)
+
+
+@pytest.mark.slow
+def test_the_same_job_gives_the_same_curve_on_1_to_4_ranks(tiny_root, tmp_path):
+    """The reproducibility matrix of docs/reproducibility.md: the largest difference from single's curve."""
+    reference = torch.tensor(scalars(_run_curve(tiny_root, tmp_path / "single", "mode=single"))["train/loss_global"])
+    worst = {}
+    for mode in ("ddp", "torch_ddp", "fsdp"):
+        for ranks in (1, 2, 3, 4):
+            curve = scalars(_run_curve(tiny_root, tmp_path / f"{mode}{ranks}", f"mode={mode}", f"gpus={ranks}"))
+            worst[mode, ranks] = (torch.tensor(curve["train/loss_global"]) - reference).abs().max().item()
+    print("\n| mode | 1 rank | 2 ranks | 3 ranks | 4 ranks |\n|---|---|---|---|---|")
+    for mode in ("ddp", "torch_ddp", "fsdp"):
+        print(f"| {mode} | " + " | ".join(f"{worst[mode, n]:.1e}" for n in (1, 2, 3, 4)) + " |")
+    assert max(worst.values()) <= 1e-5, worst
+
+
+def _run_curve(tiny_root, run_dir, *overrides):
+    run_dir.mkdir()
+    launch(compose_config(tiny_root, *JOB, *overrides), run_dir)  # 26 steps
+    return run_dir
