@@ -7,6 +7,7 @@ Tests import these from here (``from helpers import ...``), never from each othe
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,7 +42,9 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    dist.init_process_group("gloo")  # spawn set the rendezvous address, rank and world size
+    # spawn set the rendezvous address, rank and world size; a collective that a bug leaves waiting fails
+    # within minutes instead of torch's default half hour
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result_{rank}.pt"))
         dist.barrier()

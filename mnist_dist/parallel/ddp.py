@@ -45,7 +45,9 @@ hide; the trainer reads it for ``time/comm_wait_ms``.
 - parameters frozen at wrap time are left alone; a parameter that requires grad but gets none is an
   error naming it, unless ``find_unused_parameters=True``: then it contributes zeros where unused,
   and one used on no rank keeps ``.grad`` untouched (``None`` stays ``None``);
-- sparse gradients (``nn.Embedding(sparse=True)``) are refused at wrap time, naming the parameter.
+- sparse gradients (``nn.Embedding(sparse=True)``) are refused at wrap time, naming the parameter;
+- ``with model.join():`` trains ranks with different numbers of batches (``_join.py``), with torch DDP's
+  ``divide_by_initial_world_size``, ``enable`` and ``throw_on_early_termination``.
 
 Where it differs: a parameter frozen at wrap time and unfrozen later is synchronised from then on
 (torch DDP ignores it, and the ranks drift apart); a second ``backward(retain_graph=True)`` over the
@@ -70,14 +72,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.profiler import record_function
 
 from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets
+from mnist_dist.parallel._join import DDPJoinHook, announce_backward_sync, sync_buffers
 from mnist_dist.parallel.buffers import broadcast_from_rank0
 from mnist_dist.parallel.timing import WaitClock
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Averages gradients across the default process group with bucketed, overlapped all-reduce.
 
     Args:
@@ -106,6 +110,7 @@ class DistributedDataParallel(nn.Module):
         compress_bf16: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # join(): uneven inputs (see _join.py)
         _refuse_sparse_gradients(module)
         self.module = module
         self.message_size = message_size
@@ -121,6 +126,8 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured at forward, as torch DDP does
         self._sync_buffers_next_forward = True  # torch DDP's require_forward_param_sync
+        self._divide_by_initial_world_size = True  # set by join()
+        self._divide_by = float(self.world_size)  # in join(divide_by_initial_world_size=False): the ranks still in
         self._plan_key: tuple[bool, ...] | None = None  # requires_grad flags the plan was built for
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -147,9 +154,16 @@ class DistributedDataParallel(nn.Module):
         if key != self._plan_key:  # first step, or layers were (un)frozen: record the order again
             self._hook_trainable()
             self._plan_key, self._buckets, self._bucket_of = key, [], {}
-        if self.broadcast_buffers and self._sync_buffers_next_forward:
-            broadcast_from_rank0(self._replicated_buffers)
+        ranks_in = Join.notify_join_context(self)  # None outside join()
+        self._divide_by = float(self.world_size)
+        if ranks_in is not None and not self._divide_by_initial_world_size:
+            ranks_in.wait()
+            self._divide_by = ranks_in.result()[0].item()
+        if self._broadcasts_buffers_next_forward():
+            sync_buffers(self, candidate=True)
         grad_enabled = torch.is_grad_enabled()
+        if self._join_config.enable:  # tells the joined ranks whether to shadow this backward
+            announce_backward_sync(self, float(grad_enabled and self._sync_enabled))
         self._sync_buffers_next_forward = grad_enabled and self._sync_enabled
         if grad_enabled:
             self._sync_this_backward = self._sync_enabled
@@ -168,6 +182,40 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs, as torch DDP's ``join()``: wrap the loop in ``with model.join():``; a rank
+        that runs out of inputs shadows the others' collectives until every rank is done, contributing
+        zero gradients, and the last rank to join gives every rank its parameters and buffers.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size at wrap time (a joined rank
+                counts as a zero gradient); False divides by the number of ranks still training.
+            enable: False makes the context manager do nothing (no per-iteration collectives).
+            throw_on_early_termination: raise on every rank as soon as one runs out, instead.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+    def _broadcasts_buffers_next_forward(self) -> bool:
+        return self.broadcast_buffers and self._sync_buffers_next_forward and bool(self._replicated_buffers)
 
     @property
     def bucket_plan(self) -> list[list[str]]:
@@ -228,7 +276,7 @@ class DistributedDataParallel(nn.Module):
                     part.zero_()
                 else:
                     part.view(grad.shape).copy_(grad)
-            bucket.buffer.div_(self.world_size)
+            bucket.buffer.div_(self._divide_by)
             if bucket.wire:
                 bucket.wire[dist.get_rank()].copy_(bucket.buffer)
                 bucket.work = dist.all_gather(bucket.wire, bucket.wire[dist.get_rank()], async_op=True)

@@ -1,0 +1,94 @@
+"""``DistributedDataParallel.join()``: training on uneven inputs, with torch DDP's semantics.
+
+torch's generic join context manager (``torch.distributed.algorithms.join.Join``) runs the protocol: a
+rank that has run out of inputs leaves its loop and, in ``Join.__exit__``, shadows every iteration the
+others still run, until all have joined. Each iteration of a rank still training starts with
+``Join.notify_join_context`` (an all-reduce of ones: how many ranks are still in), then, in this order:
+
+1. the buffer broadcast, when that forward broadcasts: from the highest rank still in (rank 0 may have
+   joined with stale buffers), agreed by a MAX all-reduce;
+2. whether this iteration's backward synchronises (an all-reduce: 1 from every rank still in that does,
+   so ``no_sync()`` iterations are shadowed too);
+3. the backward's bucket all-reduces, in plan order (a joined rank contributes zeros), and the
+   all-reduce of used parameters under ``find_unused_parameters``.
+
+Gradients are divided by the initial world size (``divide_by_initial_world_size=True``, the default), so a
+joined rank counts as a zero gradient; or by the number of ranks still in. When all have joined, the last
+rank to join broadcasts its parameters and buffers, so every replica ends the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from mnist_dist.parallel.buffers import broadcast_from_rank0
+
+if TYPE_CHECKING:
+    from mnist_dist.parallel.ddp import DistributedDataParallel
+
+
+class DDPJoinHook(JoinHook):
+    """What a joined rank does for each iteration the others run, and once all have joined."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        if ddp._broadcasts_buffers_next_forward():
+            sync_buffers(ddp, candidate=False)
+        should_sync = announce_backward_sync(ddp, 0.0) > 0
+        ddp._sync_buffers_next_forward = should_sync
+        if not should_sync:
+            return
+        if not ddp._buckets:  # joined before the first synchronised backward: agree on the plan with the rest
+            ddp._build_plan()
+        works = []
+        for bucket in ddp._buckets:
+            if bucket.wire:
+                for part in bucket.wire:
+                    part.zero_()
+                works.append(dist.all_gather(bucket.wire, bucket.wire[dist.get_rank()], async_op=True))
+            else:
+                works.append(dist.all_reduce(bucket.buffer.zero_(), async_op=True))
+        for work in works:
+            work.wait()
+        if ddp.find_unused_parameters:
+            dist.all_reduce(torch.zeros(len(ddp._params), dtype=torch.int32, device=ddp.join_device))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        source = common_rank(ddp, candidate=is_last_joiner)
+        with torch.no_grad():
+            for tensor in [*ddp._params, *ddp._replicated_buffers]:
+                dist.broadcast(tensor, src=source)
+
+
+def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+    """The highest rank among the candidates (a MAX all-reduce every rank calls)."""
+    rank = torch.tensor([dist.get_rank() if candidate else -1], device=ddp.join_device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX)
+    return int(rank.item())
+
+
+def sync_buffers(ddp: DistributedDataParallel, candidate: bool) -> None:
+    """The buffer broadcast of one iteration: from rank 0 outside join(), else from the highest rank still in."""
+    if not ddp._join_config.enable:
+        broadcast_from_rank0(ddp._replicated_buffers)
+        return
+    source = common_rank(ddp, candidate)
+    with torch.no_grad():
+        for buffer in ddp._replicated_buffers:
+            dist.broadcast(buffer, src=source)
+
+
+def announce_backward_sync(ddp: DistributedDataParallel, this_rank: float) -> float:
+    """How many ranks synchronise this iteration's backward (an all-reduce every rank calls)."""
+    flag = torch.tensor([this_rank], device=ddp.join_device)
+    dist.all_reduce(flag)
+    return flag.item()
