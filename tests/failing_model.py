@@ -16,7 +16,8 @@ class FailingConvNet(ConvNet):
     on. ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
-    restarted job goes on."""
+    restarted job goes on. The environment variable ``KILL_AGENT_AT_STEP``, set for one torchrun agent's
+    workers only, makes a worker SIGKILL its agent and itself at that step, as a lost node would."""
 
     def __init__(
         self,
@@ -44,6 +45,9 @@ class FailingConvNet(ConvNet):
             return super().forward(x)
         self.calls += 1
         time.sleep(self.step_seconds)
+        if self.calls == int(os.environ.get("KILL_AGENT_AT_STEP", 0)):
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == self.fail_rank and self.calls == self.fail_step:
             if self.kill:

@@ -1,11 +1,18 @@
 """Any world size, exactly: the global batch fixes the training, so a job gives the same curve on 1 to 4 ranks,
 and a checkpoint written on 2 ranks resumes on 1, 3 or 4 at the exact global sample where it stopped."""
 
+import json
 import logging
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import compose_config, scalars
 
 from mnist_dist import checkpoint
@@ -82,3 +89,48 @@ def _run_curve(tiny_root, run_dir, *overrides):
     run_dir.mkdir()
     launch(compose_config(tiny_root, *JOB, *overrides), run_dir)  # 26 steps
     return run_dir
+
+
+ELASTIC = (
+    *("mode=ddp", "device=cpu", "epochs=2", "batch_size=32", "optim=sgd", "model.dropout=false", "log_every=1"),
+    *("model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "checkpoint_every_steps=5"),
+    *("resume=auto", "progress=false", "data.mirrors=[]"),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_goes_on_with_the_node_that_is_left(tiny_root, tmp_path):
+    """Two torchrun agents (one node each) on c10d; one is lost at step 13. The other restarts its worker on a
+    world of one, which resumes the step-10 checkpoint and ends as the uninterrupted 2-rank run."""
+    (tmp_path / "whole").mkdir()
+    launch(compose_config(tiny_root, *ELASTIC, "gpus=2"), tmp_path / "whole")
+    port, run_dir = _free_port(), tmp_path / "elastic"
+    # The rendezvous store lives in this process, so that losing either agent leaves it (an agent finds
+    # the port taken and joins as a client). Both agents start at once: they join the first round together.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"]
+    agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic"]
+    agent += ["--rdzv-conf=last_call_timeout=15", "-m", "mnist_dist", *ELASTIC, f"data.root={tiny_root}"]
+    agent += [f"hydra.run.dir={run_dir}"]
+    left = subprocess.Popen(agent, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    lost = subprocess.Popen(
+        agent, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, "KILL_AGENT_AT_STEP": "13"}
+    )
+    try:
+        _, errors = left.communicate(timeout=600)
+        assert left.returncode == 0, errors
+        assert lost.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        for process in (left, lost):
+            process.kill()
+        del store
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["world_size"], results["steps"]) == (1, 40)
+    assert "resuming on 1 ranks a checkpoint written on 2" in errors
+    assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(tmp_path / "whole" / "model.pt"))
