@@ -77,6 +77,8 @@ class DDPMode(TorchDDPMode):
     message_size: int = 1_000_000
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
     compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
+    # .grad is a view of its all-reduce bucket: one copy per gradient and step fewer, one gradient's memory less
+    gradient_as_bucket_view: bool = False
 
 
 class Dtype(Enum):
@@ -189,6 +191,7 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
         compress_bf16=mode.compress_bf16,
+        gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )
 
 

@@ -35,6 +35,7 @@ def ranks(tmp_path_factory):
             "buffers True": (batchnorm_buffers, True),
             "buffers False": (batchnorm_buffers, False),
             "comm wait": (comm_wait_timed,),
+            "views": (gradients_as_bucket_views,),
             "shared overlap": (shared_across_checkpoint, True),
             "shared no-overlap": (shared_across_checkpoint, False),
         },
@@ -301,3 +302,30 @@ def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_with
     net(torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])).sum().backward()
     for grad in ranks("shared no-overlap"):
         torch.testing.assert_close(grad, net.shared.weight.grad / 2)  # the average of the two ranks' sums
+
+
+def gradients_as_bucket_views(rank, world_size):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TwoHeads(), message_size=10, gradient_as_bucket_view=True)
+    x = torch.randn(4, 8) * (rank + 1)
+    seen = []
+    for set_to_none in (True, True, False, False):  # the first backward records the plan
+        ddp.zero_grad(set_to_none=set_to_none)
+        ddp(x).sum().backward()
+        buffers = [bucket.buffer for bucket in ddp._buckets]
+        seen.append(
+            [
+                any(b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * b.element_size() for b in buffers)
+                for p in ddp.parameters()
+            ]
+        )
+    return seen, [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_gradients_become_views_of_their_buckets_and_stay_averaged(ranks):
+    results = ranks("views")
+    for seen, _ in results:
+        assert seen[1:] == [[True] * 6] * 3  # from the second backward on, every .grad lives in a bucket
+    (_, grads0), (_, grads1) = results
+    for mine, other in zip(grads0, grads1):
+        torch.testing.assert_close(mine, other)  # the average, the same on both ranks

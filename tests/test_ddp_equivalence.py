@@ -26,6 +26,10 @@ def ours(module, **kwargs):
     return DistributedDataParallel(module, message_size=kwargs.pop("message_size", 100), **kwargs)
 
 
+def ours_as_views(module, **kwargs):
+    return ours(module, gradient_as_bucket_view=True, **kwargs)
+
+
 def theirs(module, **kwargs):
     kwargs.pop("message_size", None)
     return TorchDDP(module, **kwargs)
@@ -34,7 +38,8 @@ def theirs(module, **kwargs):
 def job(rank, world_size):
     # run_ranks joined the default group (which both wrappers use) with gloo's 30-minute timeout.
     dist.distributed_c10d.set_timeout(timedelta(seconds=60))
-    return {"ours": run_all(rank, world_size, ours), "torch": run_all(rank, world_size, theirs)}
+    wrappers = {"ours": ours, "ours_as_views": ours_as_views, "torch": theirs}
+    return {name: run_all(rank, world_size, wrap) for name, wrap in wrappers.items()}
 
 
 class Deadline(Exception):
@@ -96,15 +101,16 @@ AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks"]  # ran
 AS_TORCH_BY_RANK = ["batchnorm_eval_between_steps", "batchnorm_no_sync_micro_batches"]
 
 
+@pytest.mark.parametrize("wrapper", ["ours", "ours_as_views"])
 @pytest.mark.parametrize("name", AS_TORCH_AND_SINGLE + AS_TORCH + AS_TORCH_BY_RANK)
-def test_same_as_torch_ddp(ranks, name):
+def test_same_as_torch_ddp(ranks, name, wrapper):
     world_size, results = ranks
     for rank in range(world_size):
-        assert_same(results[rank]["ours"][name], results[rank]["torch"][name], f"rank {rank}")
+        assert_same(results[rank][wrapper][name], results[rank]["torch"][name], f"rank {rank}")
     if name in AS_TORCH_AND_SINGLE:
         reference = single(name)
         for rank in range(world_size):
-            assert_same(results[rank]["ours"][name], reference, f"rank {rank} vs one process")
+            assert_same(results[rank][wrapper][name], reference, f"rank {rank} vs one process")
 
 
 def test_unused_on_every_rank_keeps_grad_none(ranks):

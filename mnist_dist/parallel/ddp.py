@@ -95,6 +95,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient (one more small all-reduce per step finds those used on no rank). Off by
             default: it is usually a bug, reported by name.
         broadcast_buffers: give every rank rank 0's buffers at the start of forward, as torch DDP.
+        gradient_as_bucket_view: after the first synchronised backward each ``.grad`` is a view of its
+            bucket (as torch DDP's option): backward accumulates into the bucket and the average is
+            written there, one copy and one gradient's memory fewer. ``zero_grad(set_to_none=True)``
+            drops the views; the next backward copies in once and views again.
         compress_bf16: send fp32 gradients as bf16 (half the bytes) and add them up in fp32: an
             all-gather of bf16 copies rather than an all-reduce, since an all-reduce would also
             accumulate in bf16. Worth it where the network, not compute, is the bottleneck.
@@ -108,6 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         compress_bf16: bool = False,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # join(): uneven inputs (see _join.py)
@@ -118,6 +123,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.compress_bf16 = compress_bf16
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.world_size = dist.get_world_size()
         named = list(module.named_parameters())
         self._names = [name for name, _ in named]
@@ -274,7 +280,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 grad = self._params[i].grad
                 if grad is None:  # unused here (find_unused_parameters): contribute zeros
                     part.zero_()
-                else:
+                elif grad.data_ptr() != part.data_ptr():  # not already there (gradient_as_bucket_view)
                     part.view(grad.shape).copy_(grad)
             bucket.buffer.div_(self._divide_by)
             if bucket.wire:
@@ -324,6 +330,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             for i, part in bucket.slices(self._params):
                 param = self._params[i]
                 if used is not None and not used[i]:  # used on no rank: .grad untouched, as torch DDP
+                    continue
+                if self.gradient_as_bucket_view and param.is_contiguous():  # a channels_last one keeps its layout
+                    if param.grad is None or param.grad.data_ptr() != part.data_ptr():
+                        param.grad = part.view(param.shape)
                     continue
                 if param.grad is None:
                     param.grad = torch.empty_like(param)
