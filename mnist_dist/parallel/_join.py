@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from mnist_dist.parallel.buffers import broadcast_from_rank0
+from mnist_dist.parallel.buffers import broadcast_from, broadcast_from_rank0
 
 if TYPE_CHECKING:
     from mnist_dist.parallel.ddp import DistributedDataParallel
@@ -63,10 +63,7 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        source = common_rank(ddp, candidate=is_last_joiner)
-        with torch.no_grad():
-            for tensor in [*ddp._params, *ddp._replicated_buffers]:
-                dist.broadcast(tensor, src=source)
+        broadcast_from([*ddp._params, *ddp._replicated_buffers], common_rank(ddp, candidate=is_last_joiner))
 
 
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
@@ -81,10 +78,7 @@ def sync_buffers(ddp: DistributedDataParallel, candidate: bool) -> None:
     if not ddp._join_config.enable:
         broadcast_from_rank0(ddp._replicated_buffers)
         return
-    source = common_rank(ddp, candidate)
-    with torch.no_grad():
-        for buffer in ddp._replicated_buffers:
-            dist.broadcast(buffer, src=source)
+    broadcast_from(ddp._replicated_buffers, common_rank(ddp, candidate))
 
 
 def announce_backward_sync(ddp: DistributedDataParallel, this_rank: float) -> float:
