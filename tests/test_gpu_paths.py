@@ -2,15 +2,21 @@
 process setup's flags and arguments (issue 26: every path a desk check found wrong on GPUs)."""
 
 import importlib
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from mnist_dist.config import ConfigError, validate
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import dp as our_dp
+from mnist_dist.topology import Topology, from_env, resolve, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
 # The module, not the function torch.nn.parallel exports under the same name.
@@ -86,3 +92,140 @@ def test_replicas_compute_in_the_callers_autocast_dtype(monkeypatch, functional)
         with torch.autocast("cpu", dtype=torch.float16):
             outputs = wrapper.parallel_apply([linear, linear], [(x[:2],), (x[2:],)], None)
     assert [out.dtype for out in outputs] == [torch.float16] * len(outputs)
+
+
+@pytest.mark.parametrize("name", DP_MODES)
+def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, monkeypatch, name):
+    # model.compile() binds the compiled call to the module; replicate() copies __dict__, so every
+    # replica would run cuda:0's weights.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    extra = ["mode.dp_block=features"] if name == "dp_block" else []
+    with pytest.raises(ConfigError) as error:
+        resolve(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
+    assert str(error.value) == (
+        f"compile=true with mode={name} on 2 GPUs: DataParallel's replicas would all run cuda:0's compiled "
+        "model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
+    )
+    for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
+        resolve(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
+
+
+def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
+    # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
+    with pytest.raises(ConfigError) as error:
+        validate(make_config("mode=ddp", "gpus=2", "compile=true"))
+    assert str(error.value) == (
+        "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
+        "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
+        "mode.overlap=false, or compile=false"
+    )
+    validate(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
+    validate(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
+
+
+def test_the_devices_of_a_process(make_config):
+    two = [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert Topology("dp", "cuda", 1, 64, gpus=2).devices == two
+    assert Topology("split", "cuda", 1, 64, gpus=4).devices == two  # split uses at most 2
+    assert Topology("split", "cuda", 1, 64, gpus=1).devices == [torch.device("cuda:0")]  # and the CPU
+    assert Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1).devices == [torch.device("cuda:1")]
+    assert Topology("dp", "cpu", 1, 64, gpus=2).devices == [torch.device("cpu")]
+
+
+@pytest.fixture
+def cuda_setup(monkeypatch):
+    """setup_process's CUDA calls, recorded instead of run."""
+    calls = {"reset": [], "init": None}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls["reset"].append(device))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.update(init=(args, kwargs)))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls
+
+
+def test_nccl_is_initialised_bound_to_the_device(cuda_setup):
+    # Without device_id every rank warns at each barrier(), and a broken NCCL surfaces inside the wrapper.
+    ranks = Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1, backend="nccl")
+    setup_process(ranks, deterministic=True, timeout_s=60)
+    args, kwargs = cuda_setup["init"]
+    assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda:1") and kwargs["rank"] == 1
+
+
+def test_each_run_starts_with_the_peak_memory_of_every_device_reset(cuda_setup):
+    setup_process(Topology("dp", "cuda", 1, 64, gpus=2), deterministic=True, timeout_s=60)
+    assert cuda_setup["reset"] == [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert cuda_setup["init"] is None  # dp needs no process group
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_setup_sets_the_tf32_policy_for_convolutions_and_matmuls(tf32):
+    # torch 2.14 runs fp32 cuDNN convolutions in TF32 by default: exact comparisons on a GPU need it off.
+    setup_process(Topology("single", "cpu", 1, 64, gpus=1), deterministic=True, timeout_s=60, tf32=tf32)
+    precision = "tf32" if tf32 else "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision == precision
+    assert torch.backends.cuda.matmul.fp32_precision == precision
+    # torch's own code (inductor) still reads the legacy flags: they must say the same, not raise.
+    assert torch.backends.cudnn.allow_tf32 is tf32 and torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+
+
+def test_tf32_is_off_by_default(make_config):
+    assert make_config().tf32 is False
+
+
+@pytest.fixture
+def srun_task(monkeypatch):
+    """This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``."""
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODELIST": "node1"}
+    for key, value in {**slurm, "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_srun_with_one_gpu_per_task_uses_cuda_0(make_config, monkeypatch, srun_task):
+    # --gpus-per-task=1: each task sees its own GPU as cuda:0; SLURM_LOCALID is not a device index.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    found = from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    assert (found.rank, found.local_rank, found.device) == (1, 1, torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every task sees the node's GPUs
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:1")
+
+
+def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible; use device=cpu"):
+        from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
+
+
+def test_torchrun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
+        from_env(make_config("mode=ddp", "gpus=2", "device=cuda"))
+
+
+def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
+    # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first use in a process: importing the package is
+    # the first thing any of its processes does. A process that used CUDA before importing it is warned.
+    code = (
+        "import os, sys, warnings; import torch; late = sys.argv[1] == 'late'\n"
+        "if late: torch.cuda.is_initialized = lambda: True\n"
+        "import mnist_dist; from mnist_dist.topology import deterministic_kernels\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always'); deterministic_kernels(True)\n"
+        "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), [str(w.message) for w in caught])"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
+    for case in ("early", "late"):
+        run = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        setting, caught = run.stdout.split(" ", 1)
+        assert setting == ":4096:8"
+        if case == "early":
+            assert caught.strip() == "[]"
+        else:
+            assert "CUDA was in use before mnist_dist was imported" in caught
