@@ -71,7 +71,7 @@ class Run:
     scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
 
     def __post_init__(self) -> None:
-        self.train_clock, self.eval_clock = Stopwatch(self.throughput.device), Stopwatch(self.throughput.device)
+        self.train_clock, self.eval_clock = Stopwatch(self.throughput.devices), Stopwatch(self.throughput.devices)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
@@ -141,7 +141,7 @@ def build(
         optimizer,
         scheduler,
         Precision(cfg.amp, device),
-        Throughput(device, cfg.warmup_steps),
+        Throughput(topology.devices, cfg.warmup_steps),  # dp and split: every device they compute on
         StepTimer(device, model, optimizer),
         scheduler_per_step=per_step,
     )

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mnist_dist import checkpoint, metrics
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
 
@@ -123,6 +125,83 @@ def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
     validate(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
 
 
+class FakeEvent:
+    """torch.cuda.Event on a fake stream: ``record()`` stamps the next time of ``TIMES`` (ms)."""
+
+    TIMES: list[float] = []
+    recorded: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.ms = None
+
+    def record(self, stream=None):
+        self.ms = FakeEvent.TIMES.pop(0)
+        FakeEvent.recorded.append(self)
+
+    def synchronize(self):
+        assert self.ms is not None
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+class FakeWaitClock:
+    def last_s(self):
+        return 0.003
+
+
+def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
+    # torch.cuda.synchronize() waits for every stream, NCCL's too: phases built on it count the
+    # communication that overlapped as compute, and comm_wait reads 0.
+    def device_wide(*args):
+        raise AssertionError("a device-wide synchronise in a phase mark")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.TIMES, FakeEvent.recorded = [0.0, 1.0, 11.0, 13.0], []
+    model = nn.Linear(2, 2)
+    model._comm_wait = FakeWaitClock()  # what our DDP exposes: it waited 3 ms of the 10 ms of backward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
+    timer.start(sample=True)
+    timer.mark("data")
+    model(torch.randn(1, 2)).sum().backward()
+    optimizer.step()
+    assert len(FakeEvent.recorded) == 4
+    means = timer.lap()
+    assert means == pytest.approx({"data": 1.0, "forward_backward": 7.0, "comm_wait": 3.0, "optimizer": 2.0})
+
+
+class FakeStream:
+    synchronized: list[torch.device] = []
+
+    def __init__(self, device):
+        self.device = device
+
+    def synchronize(self):
+        FakeStream.synchronized.append(self.device)
+
+
+def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(monkeypatch):
+    def device_wide(*args):
+        raise AssertionError("a device-wide synchronise")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    FakeStream.synchronized = []
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]  # dp on two GPUs
+    clock = metrics.Stopwatch(devices)
+    clock.start()
+    clock.stop()
+    assert FakeStream.synchronized == devices * 2
+    throughput = metrics.Throughput(devices, warmup_steps=0)
+    throughput.step(8)
+    throughput.step(8)
+    throughput.lap()
+    assert FakeStream.synchronized == devices * 4
+
+
 def test_the_devices_of_a_process(make_config):
     two = [torch.device("cuda:0"), torch.device("cuda:1")]
     assert Topology("dp", "cuda", 1, 64, gpus=2).devices == two
@@ -156,6 +235,27 @@ def test_each_run_starts_with_the_peak_memory_of_every_device_reset(cuda_setup):
     setup_process(Topology("dp", "cuda", 1, 64, gpus=2), deterministic=True, timeout_s=60)
     assert cuda_setup["reset"] == [torch.device("cuda:0"), torch.device("cuda:1")]
     assert cuda_setup["init"] is None  # dp needs no process group
+
+
+def test_the_peak_memory_of_every_device_is_reported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2**20 * (1 + device.index))
+    peaks = metrics.cuda_peak_mib([torch.device("cuda:0"), torch.device("cuda:1")])
+    assert peaks == {"cuda:0": 1.0, "cuda:1": 2.0}
+    assert metrics.cuda_peak_mib([torch.device("cpu")]) is None
+
+
+def test_a_checkpoint_keeps_the_random_state_of_every_cuda_device(monkeypatch):
+    # dp's replicas draw dropout masks on every GPU: cuda:0's state alone does not resume bit for bit.
+    states = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.extend(new))
+    (saved,) = checkpoint.rng_states_of_all_ranks()
+    assert saved["cuda"] == states
+    checkpoint.restore_rng([saved], rank=0)
+    assert restored == states
 
 
 @pytest.mark.parametrize("tf32", [False, True])
@@ -229,3 +329,17 @@ def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
             assert caught.strip() == "[]"
         else:
             assert "CUDA was in use before mnist_dist was imported" in caught
+
+
+def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
+    # Our DDP copies gradients into its buckets (they are not views of them): both take memory.
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), message_size=30)
+    optimizer = torch.optim.Adadelta(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    floats = sum(p.numel() for p in model.parameters())  # 58
+    buckets = sum(bucket.numel() for bucket in model.bucket_buffers)
+    assert buckets == floats and len(model.bucket_buffers) == 2
+    # fp32 parameters, gradients, Adadelta's two buffers per parameter and its step count (a 0-d tensor
+    # per parameter), and the buckets
+    assert metrics.state_bytes(model, optimizer) == 4 * (floats * 4 + 4 + buckets)
