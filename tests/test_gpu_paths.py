@@ -18,6 +18,7 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
+from mnist_dist.tools import bench
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
@@ -343,3 +344,21 @@ def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
     # fp32 parameters, gradients, Adadelta's two buffers per parameter and its step count (a 0-d tensor
     # per parameter), and the buckets
     assert metrics.state_bytes(model, optimizer) == 4 * (floats * 4 + 4 + buckets)
+
+
+def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
+    # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
+    synchronized = []
+    monkeypatch.setattr(bench, "synchronize", lambda devices: synchronized.append(devices))
+    result = bench.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
+    assert result["images_per_s"] > 0 and synchronized == [[torch.device("cpu")]] * 2  # before each clock read
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"images_per_s": 1.0}')
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    settings = {"batch": 8, "steps": 2, "warmup": 1, "device": "cuda", "gpus": 2}
+    bench.run_case("ceiling", tmp_path, settings, 0)
+    assert commands[0][commands[0].index("--device") + 1] == "cuda"
