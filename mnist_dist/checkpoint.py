@@ -196,11 +196,12 @@ def gather_objects(mine: Any) -> list:
 
 
 def rng_states_of_all_ranks() -> list[dict]:
-    """Every rank's generators (Python, torch CPU, CUDA), by rank: dropout continues as if never stopped."""
+    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank: dropout continues as if
+    never stopped, also on the replicas of dp, which draw their masks on every GPU."""
     mine = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
     }
     return gather_objects(mine)
 
@@ -211,4 +212,4 @@ def restore_rng(states: list[dict], rank: int) -> None:
     random.setstate(states[rank]["python"])
     torch.set_rng_state(states[rank]["torch"])
     if states[rank]["cuda"] is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(states[rank]["cuda"])
+        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])

@@ -98,6 +98,10 @@ class Config:
     # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
     # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
     deterministic: bool = True
+    # fp32 convolutions and matmuls on CUDA in TF32 (10-bit mantissa, faster on Ampere and later) instead of
+    # full fp32. Off by default: torch 2.14 would run cuDNN convolutions in TF32 unasked, and results then
+    # differ from the CPU's and between batch shapes by far more than fp32 rounding. No effect on a CPU.
+    tf32: bool = False
     # Time to accuracy: stop once the exact test accuracy (a fraction) reaches this; 0 trains every epoch
     target_accuracy: float = 0.0
     eval_every_steps: int = 0  # also evaluate every this many optimizer steps; 0: at epoch ends only
@@ -130,6 +134,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
     if getattr(cfg.mode, "message_size", 1) <= 0:
         raise ConfigError(f"mode.message_size={cfg.mode.message_size} must be positive")
+    if cfg.compile and cfg.mode.name == "ddp" and cfg.mode.overlap:
+        # Its buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
+        raise ConfigError(
+            "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for "
+            "its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket "
+            "boundaries), mode.overlap=false, or compile=false"
+        )
     most = MODES[cfg.mode.name].max_gpus
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")

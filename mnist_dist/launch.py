@@ -82,7 +82,7 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 
 
 def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> dict:
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
+    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
     return train(cfg, run_dir, data_dir, topology)
 
 
@@ -91,7 +91,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     if launcher() == "srun":
         preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
     topology = from_env(cfg)
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s)
+    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
     run_dir = _resume(cfg, run_dir, topology.world_size)
     if topology.local_rank == 0:

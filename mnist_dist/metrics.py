@@ -22,7 +22,7 @@ The x axis is the optimizer step, which means the same global batch in every mod
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -98,10 +98,36 @@ def custom_scalars_summary() -> Summary:
     return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
 
 
-def synchronize(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: without this a clock reads when work was queued, not done.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(devices: Sequence[torch.device]) -> None:
+    """Waits for the work queued so far on the compute (current) stream of each CUDA device in ``devices``."""
+    # CUDA kernels run asynchronously: without this a clock reads when work was queued, not done. The
+    # compute stream, not torch.cuda.synchronize(): that also waits for the side streams (NCCL's, our
+    # DDP's), i.e. for communication the step itself never waited for.
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+class StreamClock:
+    """Time stamps on the compute stream of the current device: CUDA events recorded on its current stream
+    (nothing waits when one is taken), the host's clock on a CPU. What torch DDP's reducer times with."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Seconds from stamp ``start`` to the later ``end``; on CUDA it waits for ``end`` to be reached."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
 
 def _collective_tensor(values: list[float]) -> torch.Tensor:
@@ -139,14 +165,15 @@ def job_images_per_s(windows: list[tuple[float, float]]) -> float:
 
 
 class Throughput:
-    """Images/s over windows of steps, read with the device synchronised and warm-up steps left out.
+    """Images/s over windows of steps, read with the compute streams of ``devices`` (every device the process
+    computes on) synchronised and warm-up steps left out.
 
     ``lap()`` closes a window (at log steps and at the end of an epoch); ``pause()`` stops the clock
     for work that is not training (evaluation, checkpoints); the next ``step()`` starts it again.
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int) -> None:
-        self.device = device
+    def __init__(self, devices: Sequence[torch.device], warmup_steps: int) -> None:
+        self.devices = list(devices)
         self.warmup_left = warmup_steps
         self.images = 0
         self.started: float | None = None
@@ -159,7 +186,7 @@ class Throughput:
             return
         if self.started is None:
             # Stamp the start after the previous step's work has finished, not when it was queued.
-            synchronize(self.device)
+            synchronize(self.devices)
             self.started = time.perf_counter()
             return  # this step began before the clock started; count only steps timed in full
         self.images += images
@@ -168,7 +195,7 @@ class Throughput:
         """(images, seconds) since the last lap, or None while warming up or paused."""
         if self.started is None or not self.images:
             return None
-        synchronize(self.device)
+        synchronize(self.devices)
         now = time.perf_counter()
         window = (self.images, now - self.started)
         self.total_images += window[0]
@@ -186,23 +213,24 @@ class Throughput:
 
 
 class Stopwatch:
-    """Seconds spent between ``start()`` and ``stop()``, summed; the device is synchronised at both ends.
+    """Seconds spent between ``start()`` and ``stop()``, summed; the compute streams of ``devices`` are
+    synchronised at both ends.
 
     Time to accuracy counts training only: the trainer stops its training stopwatch while it evaluates.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
         self.seconds = 0.0
         self.started: float | None = None
 
     def start(self) -> None:
-        synchronize(self.device)
+        synchronize(self.devices)
         self.started = time.perf_counter()
 
     def stop(self) -> None:
         if self.started is not None:
-            synchronize(self.device)
+            synchronize(self.devices)
             self.seconds += time.perf_counter() - self.started
             self.started = None
 
@@ -210,7 +238,7 @@ class Stopwatch:
         """Seconds so far, the interval running now included."""
         if self.started is None:
             return self.seconds
-        synchronize(self.device)
+        synchronize(self.devices)
         return self.seconds + time.perf_counter() - self.started
 
     @contextmanager
@@ -226,23 +254,28 @@ class Stopwatch:
 
 
 class StepTimer:
-    """Splits sampled steps into phases. It synchronises the device at every phase boundary, which
-    would slow every step on a GPU, so only the steps passed ``sample=True`` are timed.
+    """Splits sampled steps into phases, with time stamps on the compute stream (``StreamClock``): on CUDA
+    nothing waits while a step runs, and the stamps are read once it has ended. Only the steps passed
+    ``sample=True`` are timed.
 
     The trainer ends ``data``; the rest is read from outside the step, so that the step's code knows
     nothing of timing: hooks on the optimizer end forward and backward (just before ``step()``) and the
     optimizer's phase (just after), and our DDP's own clock says how much of backward was ``comm_wait``,
     the wait for all-reduces that backward did not hide (0 for the other wrappers, whose wait is inside
-    backward). With fp16, GradScaler's unscale and inf check count as backward.
+    backward). On the compute stream that wait is the same thing on CPU and GPU: the time the step could
+    not go on; communication that overlapped backward is in no phase. With fp16, GradScaler's unscale and
+    inf check count as backward.
     """
 
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 
-    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.device = device
+    def __init__(
+        self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
+    ) -> None:
+        self.clock = clock or StreamClock(device)
         self.wait_clock = getattr(model, "_comm_wait", None)  # our DistributedDataParallel's
         self.sampling = False
-        self.last = 0.0
+        self.stamps: list = []  # this step's: the start, then one per phase ended
         self.window = dict.fromkeys(self.PHASES, 0.0)
         self.total = dict.fromkeys(self.PHASES, 0.0)
         self.window_steps = self.total_steps = 0
@@ -252,32 +285,31 @@ class StepTimer:
     def start(self, sample: bool) -> None:
         self.sampling = sample
         if sample:
-            synchronize(self.device)
-            self.last = time.perf_counter()
+            self.stamps = [("start", self.clock.now())]
 
     def mark(self, phase: str) -> None:
         """Ends ``phase`` of this step (a no-op on steps not sampled)."""
         if self.sampling:
-            synchronize(self.device)
-            now = time.perf_counter()
-            self.window[phase] += now - self.last
-            self.last = now
+            self.stamps.append((phase, self.clock.now()))
 
     def _backward_done(self) -> None:
-        if not self.sampling:
-            return
-        before = self.window["forward_backward"]
         self.mark("forward_backward")
-        waited = self.wait_clock.last_s() if self.wait_clock is not None else 0.0
-        waited = min(waited, self.window["forward_backward"] - before)
-        self.window["forward_backward"] -= waited
-        self.window["comm_wait"] += waited
 
     def _optimizer_done(self) -> None:
-        if self.sampling:
-            self.mark("optimizer")
-            self.window_steps += 1
-            self.sampling = False
+        if not self.sampling:
+            return
+        self.mark("optimizer")
+        step = dict.fromkeys(self.PHASES, 0.0)
+        for (_, start), (phase, end) in zip(self.stamps, self.stamps[1:]):
+            step[phase] += self.clock.seconds(start, end)
+        waited = self.wait_clock.last_s() if self.wait_clock is not None else 0.0
+        waited = min(waited, step["forward_backward"])
+        step["forward_backward"] -= waited
+        step["comm_wait"] += waited
+        for phase, seconds in step.items():
+            self.window[phase] += seconds
+        self.window_steps += 1
+        self.sampling = False
 
     def lap(self) -> dict[str, float]:
         """Milliseconds per phase, averaged over the sampled steps since the last lap."""
@@ -372,11 +404,19 @@ def _events_up_to(paths: list[Path], step: int, train_ms: float) -> list:
     return kept
 
 
+def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:
+    """The most memory allocated on each CUDA device in ``devices`` since this run's process setup reset
+    it, ``{"cuda:0": MiB, ...}``; None on the CPU. dp gathers outputs on cuda:0, which holds the most."""
+    peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**20 for d in devices if d.type == "cuda"}
+    return peaks or None
+
+
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the parameters, gradients and optimizer state this rank holds, counted from their storages
-    (each once: our DDP's gradients are views of its buckets); in fsdp, the local shards."""
+    (each once); in fsdp, the local shards. Our DDP's buckets count too: it copies the gradients into
+    them, so they hold as much again."""
     parameters = list(model.parameters())
-    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None)]
+    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None), *getattr(model, "bucket_buffers", [])]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     storages = {}
     for tensor in tensors:

@@ -6,11 +6,10 @@ import logging
 import resource
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, machine
-from mnist_dist.metrics import all_gather, job_images_per_s
+from mnist_dist.metrics import all_gather, cuda_peak_mib, job_images_per_s
 from mnist_dist.parallel.state import model_state
 
 if TYPE_CHECKING:
@@ -22,6 +21,7 @@ log = logging.getLogger("mnist_dist")
 def finish(run: Run, wall_time_s: float) -> dict:
     """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
     cfg, topology = run.cfg, run.topology
+    peaks = cuda_peak_mib(topology.devices)
     results = {
         "mode": cfg.mode.name,  # the choice (dp_block, not dp)
         "world_size": topology.world_size,
@@ -41,9 +41,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "wall_time_s": wall_time_s,
         "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
         "peak_rss_mib": per_rank(peak_rss_mib()),
-        "cuda_max_allocated_mib": per_rank(torch.cuda.max_memory_allocated() / 2**20)
-        if topology.device_type == "cuda"
-        else None,
+        # per rank, its fullest device; by device: rank 0's, every device of dp and split
+        "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
+        "cuda_max_allocated_mib_by_device": peaks,
         # Parameters, gradients and optimizer state held after a step, counted from their storage: shards in fsdp.
         "model_state_mib": per_rank(run.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared

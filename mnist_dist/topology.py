@@ -13,15 +13,17 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+import mnist_dist
 from mnist_dist.config import Config, check_batch_divides
 from mnist_dist.errors import ConfigError
-from mnist_dist.modes import MODES, Processes, devices_needed, world_size
+from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,24 @@ class Topology:
     local_rank: int = 0
     local_world_size: int = 1  # worker processes on this machine: they share its CPU cores
     backend: str | None = None  # gloo | nccl for the modes that need a process group
+    # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0 (SLURM_LOCALID is no device index)
+    own_gpu: bool = False
 
     @property
     def device(self) -> torch.device:
-        """This process's device: cuda:<local rank> or cpu."""
-        return torch.device(f"cuda:{self.local_rank}" if self.device_type == "cuda" else "cpu")
+        """This process's device: cuda:<local rank> (cuda:0 with a GPU of its own) or cpu."""
+        if self.device_type != "cuda":
+            return torch.device("cpu")
+        return torch.device(f"cuda:{0 if self.own_gpu else self.local_rank}")
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every CUDA device this process computes on: the ``gpus`` of an all-GPU mode (dp, split), else its
+        own; what it synchronises, resets and reports the memory of. The CPU where it runs on the CPU."""
+        mode = MODES[self.mode]
+        if self.device_type == "cuda" and mode.all_gpus:
+            return [torch.device(f"cuda:{i}") for i in range(mode.devices(self.gpus))]
+        return [self.device]
 
     def for_rank(self, rank: int) -> Topology:
         """The topology as worker ``rank`` of a job on one machine sees it."""
@@ -93,9 +108,12 @@ def from_env(cfg: Config) -> Topology:
             f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
     check_batch_divides(cfg.batch_size, size, cfg.accumulate)
-    kind = device_type(cfg.device, local_size, f"{local_size} processes per node", "start fewer, or pass device=cpu")
+    # srun --gpus-per-task=1 (or --gpu-bind=single:1) shows each task one GPU, its own.
+    own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1
+    needed = 1 if own_gpu else local_size
+    kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
     topology = _topology(cfg, kind, size, local_size)
-    return dataclasses.replace(topology, rank=rank, local_rank=local_rank)
+    return dataclasses.replace(topology, rank=rank, local_rank=local_rank, own_gpu=own_gpu)
 
 
 def first_node(nodelist: str) -> str:
@@ -111,6 +129,7 @@ def first_node(nodelist: str) -> str:
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
     mode = MODES[cfg.mode.name]
+    _refuse_compiled_replicas(cfg, device_type)
     backend = ("nccl" if device_type == "cuda" else "gloo") if mode.process_group else None
     return Topology(
         cfg.mode.name,
@@ -121,6 +140,17 @@ def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -
         local_world_size=local_world_size,
         backend=backend,
     )
+
+
+def _refuse_compiled_replicas(cfg: Config, device_type: str) -> None:
+    # model.compile() binds the compiled call to the module itself, and DataParallel's replicate() copies
+    # each module's __dict__, that binding included: every replica would run cuda:0's weights.
+    gpus = MODES[cfg.mode.name].devices(cfg.gpus)
+    if cfg.compile and MODES[cfg.mode.name].schema is DataParallelMode and device_type == "cuda" and gpus > 1:
+        raise ConfigError(
+            f"compile=true with mode={cfg.mode.name} on {gpus} GPUs: DataParallel's replicas would all run "
+            "cuda:0's compiled model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
+        )
 
 
 def device_type(requested: str, needed: int, what: str = "this", fix: str = "pass device=cpu") -> str:
@@ -138,22 +168,28 @@ def device_type(requested: str, needed: int, what: str = "this", fix: str = "pas
     return "cuda"
 
 
-def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> torch.device:
+def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> torch.device:
     """Sets up this process for ``topology``; returns its device. The one place a process is set up."""
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
     deterministic_kernels(deterministic)
+    fp32_precision(tf32)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
+        for device in topology.devices:  # one process may run several jobs (compare, tests): each its own peak
+            torch.cuda.reset_peak_memory_stats(device)
     if topology.backend and not dist.is_initialized():
-        # The rendezvous address is in the environment: spawn or torchrun put it there.
+        # The rendezvous address is in the environment: spawn or torchrun put it there. device_id binds
+        # NCCL to this GPU and creates its communicator now, so a broken NCCL fails here (and barrier()
+        # knows the device instead of warning at every call).
         dist.init_process_group(
             topology.backend,
             store=_store_of_this_attempt(timedelta(seconds=timeout_s)),
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timedelta(seconds=timeout_s),
+            **({"device_id": topology.device} if topology.backend == "nccl" else {}),
         )
     return topology.device
 
@@ -161,12 +197,25 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float) -> 
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
     """The one place determinism is set. ``warn_only``: an op with no deterministic kernel warns (naming
     itself) instead of stopping the run; the pre-flight check passes False to find such ops."""
-    if on:
-        # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if on and mnist_dist.CUBLAS_SET_LATE:
+        warnings.warn(
+            "CUDA was in use before mnist_dist was imported, so cuBLAS may have started without the fixed "
+            "workspace deterministic kernels need; export CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting Python",
+            stacklevel=2,
+        )
     torch.use_deterministic_algorithms(on, warn_only=warn_only)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
+
+
+def fp32_precision(tf32: bool) -> None:
+    """The one place the TF32 policy is set: fp32 convolutions (cuDNN) and matmuls (cuBLAS) in TF32, or in
+    full fp32 ("ieee"). No effect on a CPU."""
+    # The legacy flags first, then torch 2.14's own: torch's code still reads the legacy ones (inductor
+    # does), and reading them raises where they disagree with the new ones.
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    precision = "tf32" if tf32 else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = precision
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:

@@ -73,7 +73,7 @@ class Run:
     window_losses: list[torch.Tensor] = field(default_factory=list)  # this log window's, on the device
 
     def __post_init__(self) -> None:
-        self.train_clock, self.eval_clock = Stopwatch(self.throughput.device), Stopwatch(self.throughput.device)
+        self.train_clock, self.eval_clock = Stopwatch(self.throughput.devices), Stopwatch(self.throughput.devices)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
@@ -144,7 +144,7 @@ def build(
         optimizer,
         scheduler,
         Precision(cfg.amp, device),
-        Throughput(device, cfg.warmup_steps),
+        Throughput(topology.devices, cfg.warmup_steps),  # dp and split: every device they compute on
         StepTimer(device, model, optimizer),
         scheduler_per_step=per_step,
     )

@@ -28,10 +28,14 @@ def restore_torch_flags():
         torch.backends.cudnn.benchmark,
         torch.get_num_threads(),
     )
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul  # the TF32 policy, legacy flags first
+    tf32 = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.conv.fp32_precision, matmul.fp32_precision)
     yield
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
     torch.set_num_threads(saved[4])
+    cudnn.allow_tf32, matmul.allow_tf32 = tf32[:2]
+    cudnn.conv.fp32_precision, matmul.fp32_precision = tf32[2:]
 
 
 @pytest.fixture(scope="session")

@@ -192,8 +192,9 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
             "1",
         ]
         + ["--fashion", str(tmp_path), "--target", "0.5", "--tta-epochs", "2"]
-        # dp follows single's loss; ddp's rows: the next test (each training here is a fresh process)
-        + ["--modes", "single,dp"],
+        # dp follows single's loss; ddp's rows and the other variants: the next tests (each training here is
+        # a fresh process; fp16 and compile are slow on a CPU)
+        + ["--modes", "single,dp", "--variants", "deterministic=false", "--jobs", "2"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -203,35 +204,90 @@ def test_gpu_check_script_passes_on_the_cpu(tmp_path):
     assert [row.split(" | ")[0][2:] for row in table[1:]] == [
         "single",
         "dp",
+        "single deterministic=false",
+        "dp deterministic=false",
         "ddp gradients, 2 gloo ranks on one cpu",
         "torch_ddp gradients, 2 gloo ranks on one cpu",
         "single gpus=1",
         "recipe=fast to 50.0%, generated data (" + str(tmp_path) + " is empty)",
     ]
-    timed = [row.split(" | ")[2] for row in table[1:] if "gradients" not in row]
-    assert all(float(speed.replace(",", "")) > 0 for speed in timed), table  # some steps after warm-up
+    timed = [row.split("|")[3].strip() for row in table[1:] if row.split("|")[3].strip()]  # variant rows: none
+    assert len(timed) == 4 and all(float(speed.replace(",", "")) > 0 for speed in timed), table  # some steps timed
     assert result.stdout.strip().endswith("all checks passed")
+
+
+PHASES_MS = {"data": 0.1, "forward_backward": 2.0, "comm_wait": 0.5, "optimizer": 0.4}
+COMPILE_REFUSED = (
+    "exit 1: error: compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits "
+    "for its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
+    "mode.overlap=false, or compile=false"
+)
+
+
+def fake_runs(monkeypatch, tmp_path, first_losses: dict, comm_wait: float = 0.5) -> list:
+    """gpu_check with its trainings faked: each run's results and losses from its directory's name."""
+    speed, started = {"single_1": 100.0, "ddp_1": 80.0}, []
+
+    def train(run_dir, *overrides):
+        started.append(run_dir.name)
+        if run_dir.name.endswith("_compile") and run_dir.name.startswith("ddp"):
+            return None, COMPILE_REFUSED  # what the trainer says, by design
+        ranks = 2 if "mode=ddp" in overrides and "gpus=2" in overrides else 1
+        results = {"train_images_per_s": speed.get(run_dir.name, 50.0), "time_to_target_s": 2.0, "steps_to_target": 9}
+        results.update(world_size=ranks, step_time_ms={**PHASES_MS, "comm_wait": comm_wait})
+        return results, ""
+
+    monkeypatch.setattr(gpu_check, "train", train)
+    monkeypatch.setattr(gpu_check, "losses", lambda run_dir: [first_losses.get(run_dir.name, 2.3)] + [2.3] * 19)
+    monkeypatch.setattr(gpu_check, "check_gradients", lambda *args: {"ddp": 1e-7, "torch_ddp": 0.0})
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    return started
 
 
 def test_gpu_check_tables_every_check_with_the_runs_faked(tmp_path, monkeypatch, capsys):
     # The script's logic without a training (the test above trains): ddp's rows, which that one leaves
     # out. --modes dp,ddp once ended in a KeyError here: ddp's overhead is a ratio to single's speed.
-    speed = {"single_1": 100.0, "ddp_1": 80.0}
-
-    def train(run_dir, *overrides):
-        results = {"train_images_per_s": speed.get(run_dir.name, 50.0), "time_to_target_s": 2.0, "steps_to_target": 9}
-        return results, ""
-
-    monkeypatch.setattr(gpu_check, "train", train)
-    monkeypatch.setattr(gpu_check, "losses", lambda run_dir: [2.3] * 20)
-    monkeypatch.setattr(gpu_check, "check_gradients", lambda *args: {"ddp": 1e-7, "torch_ddp": 0.0})
-    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    started = fake_runs(monkeypatch, tmp_path, {"dp_amp_bf16": 2.3 * 1.001})
     argv = ["--device", "cpu", "--train-images", "640", "--fashion", str(tmp_path / "none"), "--modes", "dp,ddp"]
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
     assert gpu_check.main() == 0
     out = capsys.readouterr().out
     assert "| dp | 2 | 50 | final loss 2.3000 |\n| ddp | 2 | 50 | final loss 2.3000 |" in out
+    assert "| ddp comm_wait, 2 ranks | 2 | | 0.500 of 3.000 ms |" in out
+    # every variant of every mode, each against the mode's own first loss
+    assert {name for name in started if name.startswith(("dp_", "ddp_")) and not name.endswith("_1")} == {
+        f"{mode}_{variant.replace('=', '_')}" for mode in ("dp", "ddp") for variant in gpu_check.VARIANTS
+    }
+    assert "| dp amp=bf16 | 2 | | first loss 1.0e-03 from dp's, last 2.3000 |" in out
+    assert "| ddp tf32 | 2 | | first loss 0.0e+00 from ddp's, last 2.3000 |" in out
+    assert "| ddp compile | 2 | | refused as designed: use mode=torch_ddp (its DDPOptimizer" in out
+    assert "replicas under amp=bf16" not in out  # needs 2 GPUs
     assert "| ddp gradients, 2 gloo ranks on one cpu | 1 | | max difference 1.0e-07 |" in out
     assert "| single gpus=1 | 1 | 100 | baseline |\n| ddp gpus=1 | 1 | 80 | +25.0% time vs single |" in out
     assert f"| recipe=fast to 91.0%, generated data ({tmp_path / 'none'} is empty) | 1 | 50 | 2.00 s, 9 steps |" in out
     assert out.strip().endswith("all checks passed")
+
+
+def test_gpu_check_on_two_gpus_checks_the_replica_dtype_and_fails_what_is_off(tmp_path, monkeypatch, capsys):
+    fake_runs(monkeypatch, tmp_path, {"dp_amp_fp16": 2.3 * 1.05}, comm_wait=0.0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    found = {"dp": "bfloat16 on cuda:0, bfloat16 on cuda:1", "dp_functional": "bfloat16 on cuda:0, float16 on cuda:1"}
+
+    def replica_dtype(failed):
+        failed.append("dp_functional: replicas under amp=bf16 computed in ...")
+        return found
+
+    monkeypatch.setattr(gpu_check, "check_replica_dtype", replica_dtype)
+    argv = ["--train-images", "640", "--fashion", str(tmp_path / "none"), "--modes", "single,dp,ddp"]
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv, "--variants", "amp=fp16"])
+    assert gpu_check.main() == 1
+    out = capsys.readouterr().out
+    assert "cuda, 2 device(s)" in out and "| dp amp=fp16 | 2 | | first loss 5.0e-02 from dp's, last 2.3000 |" in out
+    assert "| dp replicas under amp=bf16 | 2 | | bfloat16 on cuda:0, bfloat16 on cuda:1 |" in out
+    assert "| dp_functional replicas under amp=bf16 | 2 | | bfloat16 on cuda:0, float16 on cuda:1 |" in out
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    assert failed == [
+        "FAILED ddp: comm_wait is 0.0 ms on 2 ranks; it must be > 0",
+        "FAILED dp amp=fp16: first loss 5.0e-02 from dp's (> 0.01), last 2.3",
+        "FAILED dp_functional: replicas under amp=bf16 computed in ...",
+    ]

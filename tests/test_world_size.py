@@ -57,6 +57,7 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_ranks(tiny_root, tw
     torch.testing.assert_close(torch.tensor(part), torch.tensor(whole[10:]), rtol=0, atol=1e-5)  # steps 11 to 26
 
 
+@pytest.mark.slow
 def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(tiny_root, two_ranks, caplog):
     mnist_dist_log = logging.getLogger("mnist_dist")
     mnist_dist_log.propagate, before = True, mnist_dist_log.propagate

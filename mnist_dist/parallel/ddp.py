@@ -228,6 +228,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Parameter names per bucket, in launch order (empty until the first synchronised backward)."""
         return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
 
+    @property
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers gradients are copied into and sent from (and compress_bf16's bf16 copies of
+        every rank's): memory this wrapper holds besides ``.grad`` (empty until the first backward)."""
+        return [t for bucket in self._buckets for t in (bucket.buffer, *bucket.wire)]
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
 

@@ -13,8 +13,49 @@ DDP runs one process per GPU, replicates once, and only exchanges gradients.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
+
+
+class _InCallersAutocast:
+    """A replica, called in the autocast state of the thread that made this object.
+
+    ``parallel_apply`` runs each replica in a thread of its own and re-enters autocast there without a
+    dtype; the dtype is thread-local, so a new thread has the default (fp16 for CUDA): bf16 was lost,
+    and fp16 ran without the GradScaler it needs.
+    """
+
+    def __init__(self, module: nn.Module, device_type: str) -> None:
+        self.module, self.device_type = module, device_type
+        self.enabled = torch.is_autocast_enabled(device_type)
+        self.dtype = torch.get_autocast_dtype(device_type)
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return self.module(*args, **kwargs)
+
+
+def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[_InCallersAutocast]:
+    """``replicas`` as ``parallel_apply`` should call them: with the caller's autocast dtype in every thread."""
+    return [_InCallersAutocast(replica, device_type) for replica in replicas]
+
+
+class DataParallel(nn.DataParallel):
+    """``nn.DataParallel`` that keeps the caller's autocast dtype in every replica, and where
+    ``device_ids=[]`` is a pass-through on the CPU: ``nn.DataParallel`` takes ``None`` to mean every
+    visible GPU and has no way to say none, so on a machine with GPUs ``device=cpu`` trained on them."""
+
+    def __init__(self, module: nn.Module, device_ids: list[int]) -> None:
+        if device_ids:
+            super().__init__(module, device_ids=device_ids)
+        else:  # what nn.DataParallel itself builds where no GPU is visible
+            nn.Module.__init__(self)
+            self.module, self.device_ids = module, []
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        calls = in_callers_autocast(replicas, self.src_device_obj.type)
+        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
 
 
 class FunctionalDataParallel(nn.Module):
@@ -30,17 +71,15 @@ class FunctionalDataParallel(nn.Module):
             return self.module(x)
         inputs = scatter(x, self.device_ids)  # a slice of the batch per device
         replicas = replicate(self.module, self.device_ids[: len(inputs)])  # the model, copied, every step
-        outputs = parallel_apply(replicas, [(chunk,) for chunk in inputs])  # one thread per device
+        # one thread per device, each in the caller's autocast dtype
+        outputs = parallel_apply(in_callers_autocast(replicas, inputs[0].device.type), [(chunk,) for chunk in inputs])
         return gather(outputs, self.device_ids[0])  # everything back on the first device
 
 
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:
-    """Wraps ``model`` (or only its submodule ``block``) for data parallelism over ``device_ids``."""
-    wrap = (
-        (lambda m: FunctionalDataParallel(m, device_ids))
-        if functional
-        else (lambda m: nn.DataParallel(m, device_ids=device_ids or None))
-    )
+    """Wraps ``model`` (or only its submodule ``block``) for data parallelism over ``device_ids``
+    (``[]``: a pass-through, on the CPU)."""
+    wrap = (lambda m: FunctionalDataParallel(m, device_ids)) if functional else (lambda m: DataParallel(m, device_ids))
     if not block:
         return wrap(model)
     # The tutorial's block2 case: only this part is replicated; the rest runs on the first device.

@@ -26,7 +26,7 @@ import matplotlib
 import torch
 
 from mnist_dist import machine
-from mnist_dist.metrics import state_bytes
+from mnist_dist.metrics import state_bytes, synchronize
 from mnist_dist.precision import Precision
 from mnist_dist.step import train_step
 from mnist_dist.tools import time_to_accuracy
@@ -163,18 +163,20 @@ def chart(result: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> dict:
-    """The two cases written in the benchmark itself, in this process."""
+def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
+    """The two cases written in the benchmark itself, in this process, on ``device``, the clock read with
+    its compute stream synchronised (as the trainer's), so that their ratios to the trainer's cases compare
+    the same device."""
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
     from mnist_dist.model import ConvNet
 
     torch.manual_seed(0)
-    model = ConvNet()
+    model = ConvNet().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    precision = Precision("off", torch.device("cpu"))
-    if case == "classic":  # pytorch/examples mnist, as people write it
+    precision = Precision("off", device)
+    if case == "classic":  # pytorch/examples mnist, as people write it: batches go to the device in the loop
         dataset = datasets.MNIST(
             str(root),
             train=True,
@@ -183,13 +185,15 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int) -> 
         )
         batches = iter(DataLoader(dataset, batch_size=batch, shuffle=True))
     else:
-        resident = (torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,)))
+        resident = (torch.randn(batch, 1, 28, 28, device=device), torch.randint(0, 10, (batch,), device=device))
         batches = iter(lambda: resident, None)
     for step in range(warmup + steps):
         if step == warmup:
+            synchronize([device])
             started = time.perf_counter()
         x, y = next(batches)
-        train_step(model, optimizer, x, y, precision)
+        train_step(model, optimizer, x.to(device), y.to(device), precision)
+    synchronize([device])
     seconds = time.perf_counter() - started
     return {
         "images_per_s": steps * batch / seconds,
@@ -214,6 +218,8 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
             str(settings["steps"]),
             "--warmup",
             str(settings["warmup"]),
+            "--device",
+            settings["device"],
         ]
         return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     overrides = [
@@ -275,7 +281,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.measure:
         root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
-        print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup)))
+        device = torch.device(args.device)
+        print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup, device)))
         return 0
     if args.time_to_accuracy:
         return time_to_accuracy.run(tta_settings(args), args.out)

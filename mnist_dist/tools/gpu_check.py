@@ -1,4 +1,5 @@
-"""GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (< 4 min, one H200).
+"""GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (one H200: see
+docs/gpus-desk-check.md for the time budget).
 
     mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
     python -m mnist_dist.tools.gpu_check               # on a machine with CUDA
@@ -6,22 +7,31 @@
 
 1. modes: single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps on generated
    data with dropout off (replicas would draw different masks): each exits 0, and dp, functional dp
-   and block dp follow single's loss over the first steps.
-2. gradients: our DDP and torch DDP on 2 gloo ranks sharing one GPU (CUDA tensors,
-   so our DDP's side stream runs with real concurrency) equal one process's gradients within 1e-5.
-3. overhead: single, ddp and torch_ddp with gpus=1 (NCCL on CUDA); ddp's images/s against single's.
-4. time to accuracy: recipe=fast to --target on Fashion-MNIST (data/fashion-mnist, an ignored folder;
+   and block dp follow single's loss over the first steps. With 2 ranks or more, ddp's comm_wait > 0.
+2. variants, per mode: amp=bf16, amp=fp16, compile, channels_last, tf32=true and deterministic=false
+   (the mode's own run has tf32 off, deterministic on): each exits 0 (or is refused in one line where
+   the combination cannot work) and its first loss, same weights and batch, is the mode's own within the
+   variant's rounding. They run ``--jobs`` at a time: their images/s are not shown.
+3. with 2 GPUs or more: the dtype dp's replicas compute in under amp=bf16 (each in a thread of its own).
+4. gradients: our DDP and torch DDP on 2 gloo ranks sharing one GPU (CUDA tensors, so our DDP's side
+   stream runs with real concurrency), TF32 off, equal one process's gradients within 1e-5.
+5. overhead: single, ddp and torch_ddp with gpus=1 (NCCL on CUDA); ddp's images/s against single's.
+6. time to accuracy: recipe=fast to --target on Fashion-MNIST (data/fashion-mnist, an ignored folder;
    generated data when it is absent), the trainer's clock synchronising the device at every start and stop.
 
-Prints one table; exits non-zero if any check fails. Needs nothing but the project installed.
+Prints one table and the time it took; exits non-zero if any check fails. Needs nothing but the project
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,18 +40,31 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.metrics import read_scalars
 from mnist_dist.model import ConvNet
-from mnist_dist.modes import MODES, DataParallelMode
+from mnist_dist.modes import MODES, DataParallelMode, wrap_model
 from mnist_dist.parallel import DistributedDataParallel, spawn
 from mnist_dist.precision import Precision
 from mnist_dist.step import compute_gradients
 from mnist_dist.tools.run import train_in_subprocess
 from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.topology import fp32_precision
 
 AGREE_STEPS = 20
 TOLERANCE = 1e-3  # relative; cuDNN picks kernels per batch shape, so replicas differ in rounding
 GRADIENT_TOLERANCE = 1e-5  # absolute, our DDP and torch DDP against one process on the global batch
 GRADIENT_BATCH = 32
 FASHION = Path(__file__).resolve().parent.parent / "data" / "fashion-mnist"  # ignored by git: carry it
+# name: (overrides, most relative difference of the first loss from the mode's own run). The first step
+# has the same weights and batch: only the arithmetic differs (bf16 keeps 8 bits of mantissa, fp16 11,
+# TF32 10; compile, NHWC and non-deterministic kernels only reorder fp32 sums).
+VARIANTS = {
+    "amp=bf16": (["amp=bf16"], 0.02),
+    "amp=fp16": (["amp=fp16"], 0.01),
+    "compile": (["compile=true"], 1e-3),
+    "channels_last": (["channels_last=true"], 1e-3),
+    "tf32": (["tf32=true"], 0.01),
+    "deterministic=false": (["deterministic=false"], 1e-3),
+}
+REFUSED = "error: compile=true with mode="  # combinations the trainer refuses in one line, by design
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -63,35 +86,37 @@ def warmup(args) -> str:
     return f"warmup_steps={min(5, max(0, args.train_images * args.epochs // 128 - 2))}"
 
 
-def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
-    """Every mode of the table, on as many devices as it can use; dp variants follow single's loss."""
-    batch = 128 // gpus * gpus
-    data = (
+def common(args, work: Path, gpus: int) -> tuple[str, ...]:
+    """The overrides every run of checks 1 and 2 shares: the generated data, dropout off, every step logged."""
+    return (
         f"data.root={work / 'data'}",
         "data.mirrors=[]",
-        f"epochs={args.epochs}",
-        f"batch_size={batch}",
+        f"batch_size={128 // gpus * gpus}",
         "log_every=1",
         warmup(args),
+        f"device={args.device}",
+        "model.dropout=false",
     )
-    rows, curves = [], {}
+
+
+def check_modes(args, work: Path, gpus: int, failed: list[str]) -> tuple[list[tuple], dict[str, dict]]:
+    """Every mode of the table, on as many devices as it can use; dp variants follow single's loss. Also
+    returns each mode's results.json."""
+    rows, curves, done = [], {}, {}
     for name in args.modes:
         mode_gpus = MODES[name].devices(gpus)
         run_dir = work / "runs" / name
-        results, error = train(
-            run_dir,
-            f"mode={name}",
-            f"gpus={mode_gpus}",
-            f"device={args.device}",
-            *data,
-            "model.dropout=false",
-        )
+        overrides = (f"mode={name}", f"gpus={mode_gpus}", f"epochs={args.epochs}", *common(args, work, gpus))
+        results, error = train(run_dir, *overrides)
         if results is None:
             failed.append(f"{name}: {error}")
             rows.append((name, mode_gpus, float("nan"), float("nan")))
             continue
-        curves[name] = losses(run_dir)
+        curves[name], done[name] = losses(run_dir), results
         rows.append((name, mode_gpus, results["train_images_per_s"], curves[name][-1]))
+        waited = results["step_time_ms"]["comm_wait"]
+        if name == "ddp" and mode_gpus > 1 and not waited > 0:  # 0: the phases were not timed on the stream
+            failed.append(f"ddp: comm_wait is {waited} ms on {mode_gpus} ranks; it must be > 0")
     for name in [name for name, entry in MODES.items() if entry.schema is DataParallelMode]:
         if name in curves and "single" in curves:
             ours = torch.tensor(curves[name][:AGREE_STEPS])
@@ -102,7 +127,67 @@ def check_modes(args, work: Path, gpus: int, failed: list[str]) -> list[tuple]:
                     f"{name}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
                     f"within the first {AGREE_STEPS} steps"
                 )
-    return rows
+    return rows, {name: {**results, "first_loss": curves[name][0]} for name, results in done.items()}
+
+
+def check_variants(args, work: Path, gpus: int, baselines: dict[str, dict], failed: list[str]) -> list[tuple]:
+    """Each variant of each mode that ran, one epoch, ``args.jobs`` at a time: (mode, variant, devices, result)."""
+    cases = [(name, variant) for name in args.modes if name in baselines for variant in args.variants]
+
+    def run(case: tuple[str, str]) -> tuple:
+        name, variant = case
+        overrides, tolerance = VARIANTS[variant]
+        mode_gpus = MODES[name].devices(gpus)
+        run_dir = work / "runs" / f"{name}_{variant.replace('=', '_')}"
+        results, error = train(
+            run_dir, f"mode={name}", f"gpus={mode_gpus}", "epochs=1", *common(args, work, gpus), *overrides
+        )
+        if results is None:
+            if REFUSED in error and variant == "compile":
+                return name, variant, mode_gpus, f"refused as designed: use {error.split('; use ')[-1]}"
+            failed.append(f"{name} {variant}: {error}")
+            return name, variant, mode_gpus, "FAILED"
+        curve = losses(run_dir)
+        reference = baselines[name]["first_loss"]
+        difference = abs(curve[0] - reference) / abs(reference)
+        if not difference <= tolerance or not math.isfinite(curve[-1]):
+            failed.append(
+                f"{name} {variant}: first loss {difference:.1e} from {name}'s (> {tolerance:g}), last {curve[-1]}"
+            )
+        return name, variant, mode_gpus, f"first loss {difference:.1e} from {name}'s, last {curve[-1]:.4f}"
+
+    with ThreadPoolExecutor(args.jobs) as pool:  # each a subprocess: the threads only wait
+        return list(pool.map(run, cases))
+
+
+class Probe(torch.nn.Module):
+    """Records the dtype its linear layer computes in, per device: replicate() shares the dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        self.seen[str(x.device)] = y.dtype
+        return y
+
+
+def check_replica_dtype(failed: list[str]) -> dict[str, str]:
+    """dp and functional dp on 2 GPUs under amp=bf16: the dtype each replica's thread computed in."""
+    found = {}
+    for name in ("dp", "dp_functional"):
+        probe = Probe()
+        model = wrap_model(probe, MODES[name].schema(name=name), torch.device("cuda:0"), 2)
+        with Precision("bf16", torch.device("cuda:0")).autocast():
+            model(torch.randn(4, 8, device="cuda:0"))
+        found[name] = ", ".join(
+            f"{str(dtype).split('.')[-1]} on {device}" for device, dtype in sorted(probe.seen.items())
+        )
+        if len(probe.seen) != 2 or set(probe.seen.values()) != {torch.bfloat16}:
+            failed.append(f"{name}: replicas under amp=bf16 computed in {found[name]}; all must be bfloat16")
+    return found
 
 
 def gradient_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +205,7 @@ def gradients(model: torch.nn.Module, wrapped: torch.nn.Module, x: torch.Tensor,
 
 def gradient_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
     """Both wrappers on this rank's half of the batch; every rank on the same device (cuda:0 or cpu)."""
+    fp32_precision(tf32=False)  # TF32 convolutions would differ by more than the tolerance
     dist.init_process_group("gloo")  # gloo all-reduces CUDA tensors too: two ranks can share one GPU
     device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
     x, y = (t.chunk(world_size)[rank] for t in gradient_batch(device))
@@ -136,6 +222,7 @@ def gradient_worker(rank: int, world_size: int, device_type: str, out: str) -> N
 def check_gradients(device_type: str, work: Path, failed: list[str]) -> dict[str, float]:
     """Largest gradient difference of each wrapper (2 ranks) from one process on the whole batch."""
     device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
+    fp32_precision(tf32=False)
     torch.manual_seed(0)
     model = ConvNet(dropout=False).to(device)
     expected = gradients(model, model, *gradient_batch(device))
@@ -189,7 +276,7 @@ def check_time_to_accuracy(args, work: Path, failed: list[str]) -> tuple[str, di
     return where, results
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--train-images", type=int, default=12_800, help="x 1 epoch / batch = steps")
@@ -198,27 +285,54 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.91, help="recipe=fast's target test accuracy")
     parser.add_argument("--tta-epochs", type=int, default=3, help="recipe=fast's schedule")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: the modes checked (all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: of each mode (all)")
+    parser.add_argument("--jobs", type=int, default=4, help="variant runs at a time")
     args = parser.parse_args()
-    args.modes = args.modes.split(",")
+    args.modes, args.variants = args.modes.split(","), [v for v in args.variants.split(",") if v]
     if unknown := set(args.modes) - set(MODES):
         parser.error(f"--modes: no mode {', '.join(sorted(unknown))}; the modes are {', '.join(MODES)}")
+    if unknown := set(args.variants) - set(VARIANTS):
+        parser.error(f"--variants: no variant {', '.join(sorted(unknown))}; the variants are {', '.join(VARIANTS)}")
+    return args
+
+
+def main() -> int:
+    args = arguments()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if gpus == 0:
         print("gpu_check: no CUDA device is visible (use --device cpu to check the script itself)")
         return 1
+    started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=args.train_images, n_test=2_000)
     failed: list[str] = []
-    rows = check_modes(args, work, gpus, failed)
+    rows, baselines = check_modes(args, work, gpus, failed)
+    variants = check_variants(args, work, gpus, baselines, failed)
+    dtypes = check_replica_dtype(failed) if args.device == "cuda" and gpus > 1 else {}
     worst = check_gradients(args.device, work, failed)
     speeds = check_overhead(args, work, failed)
     where, fast = check_time_to_accuracy(args, work, failed)
     print(
-        f"\n{args.device}, {gpus} device(s), {args.epochs} epoch(s) of {args.train_images} generated images\n\n"
-        "| check | devices | images/s | result |\n|---|---|---|---|"
+        f"\n{args.device}, {gpus} device(s), {args.epochs} epoch(s) of {args.train_images} generated images, "
+        f"{time.monotonic() - started:.0f} s\n\n| check | devices | images/s | result |\n|---|---|---|---|"
     )
     for mode, mode_gpus, speed, loss in rows:
         print(f"| {mode} | {mode_gpus} | {speed:,.0f} | final loss {loss:.4f} |")
+    if "ddp" in baselines and baselines["ddp"]["world_size"] > 1:
+        ranks, phases = baselines["ddp"]["world_size"], baselines["ddp"]["step_time_ms"]
+        print(
+            f"| ddp comm_wait, {ranks} ranks | {ranks} | | {phases['comm_wait']:.3f} of {sum(phases.values()):.3f} ms |"
+        )
+    for mode, variant, mode_gpus, result in variants:
+        print(f"| {mode} {variant} | {mode_gpus} | | {result} |")
+    for name, found in dtypes.items():
+        print(f"| {name} replicas under amp=bf16 | 2 | | {found} |")
+    print_rest(args, worst, speeds, where, fast)
+    print("\n" + ("\n".join(f"FAILED {line}" for line in failed) if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+def print_rest(args, worst: dict, speeds: dict, where: str, fast: dict | None) -> None:
     for name, difference in worst.items():
         print(f"| {name} gradients, 2 gloo ranks on one {args.device} | 1 | | max difference {difference:.1e} |")
     for name, speed in speeds.items():
@@ -228,8 +342,6 @@ def main() -> int:
         reached = fast["time_to_target_s"]
         reached = f"{reached:.2f} s, {fast['steps_to_target']} steps" if reached is not None else "not reached"
         print(f"| recipe=fast to {args.target:.1%}, {where} | 1 | {fast['train_images_per_s']:,.0f} | {reached} |")
-    print("\n" + ("\n".join(f"FAILED {line}" for line in failed) if failed else "all checks passed"))
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

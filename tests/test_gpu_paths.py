@@ -1,0 +1,364 @@
+"""The CUDA-only paths, checked on a CPU: device discovery faked, thread-local autocast, stream clocks,
+process setup's flags and arguments (issue 26: every path a desk check found wrong on GPUs)."""
+
+import importlib
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mnist_dist import checkpoint, metrics
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.model import ConvNet
+from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.parallel import DistributedDataParallel
+from mnist_dist.parallel import dp as our_dp
+from mnist_dist.tools import bench
+from mnist_dist.topology import Topology, from_env, resolve, setup_process
+
+DP_MODES = ["dp", "dp_block", "dp_functional"]
+# The module, not the function torch.nn.parallel exports under the same name.
+torch_data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """What torch and nn.DataParallel see on a machine with 4 GPUs; nothing runs on them."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch_data_parallel, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(torch_data_parallel, "_get_all_device_indices", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(torch_data_parallel, "_check_balance", lambda device_ids: None)
+
+
+@pytest.mark.parametrize("name", DP_MODES)
+def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
+    # nn.DataParallel(device_ids=None) means every visible GPU: 4 GPUs crashed, 1 trained on cuda:0.
+    torch.manual_seed(0)
+    plain = ConvNet(dropout=False)
+    model = ConvNet(dropout=False)
+    model.load_state_dict(plain.state_dict())
+    options = {"dp_block": {"dp_block": "features"}, "dp_functional": {"dp_functional": True}}.get(name, {})
+    wrapped = wrap_model(model, MODES[name].schema(name=name, **options), torch.device("cpu"), gpus=4)
+    assert [m.device_ids for m in wrapped.modules() if hasattr(m, "device_ids")] == [[]]
+    assert {p.device for p in wrapped.parameters()} == {torch.device("cpu")}
+    x = torch.randn(8, 1, 28, 28)
+    torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
+
+
+def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+    """torch's parallel_apply as far as autocast goes, with the CPU standing in for CUDA: one thread per
+    replica, which re-enters autocast with the caller's on/off and no dtype (the dtype is thread-local)."""
+    enabled, results = torch.is_autocast_enabled("cpu"), {}
+
+    def worker(i, module, args):
+        with torch.amp.autocast("cpu", enabled=enabled):
+            results[i] = module(*args)
+
+    threads = [threading.Thread(target=worker, args=(i, m, a)) for i, (m, a) in enumerate(zip(modules, inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [results[i] for i in range(len(modules))]
+
+
+def test_a_new_thread_does_not_inherit_the_autocast_dtype():
+    # The bug of issue 26 item 2 in torch itself: the reason the wrappers pass the dtype on.
+    with torch.autocast("cpu", dtype=torch.float16):
+        (out,) = threaded_parallel_apply([nn.Linear(4, 4)], [(torch.randn(2, 4),)])
+    assert out.dtype == torch.bfloat16  # the CPU's default autocast dtype, not the caller's fp16
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_replicas_compute_in_the_callers_autocast_dtype(monkeypatch, functional):
+    # On CUDA the caller's bf16 became the thread's default fp16, without a GradScaler. Here the CPU
+    # stands in: its thread default is bf16, so the caller asks for fp16.
+    monkeypatch.setattr(our_dp, "parallel_apply", threaded_parallel_apply)
+    monkeypatch.setattr(torch_data_parallel, "parallel_apply", threaded_parallel_apply)  # the old path too
+    linear, x = nn.Linear(4, 4), torch.randn(4, 4)
+    if functional:
+        monkeypatch.setattr(our_dp, "scatter", lambda tensor, ids: tensor.chunk(len(ids)))
+        monkeypatch.setattr(our_dp, "replicate", lambda module, ids: [module] * len(ids))
+        monkeypatch.setattr(our_dp, "gather", lambda outputs, device: outputs)  # each replica's, as it made it
+        wrapper = our_dp.FunctionalDataParallel(linear, [0, 1])
+        with torch.autocast("cpu", dtype=torch.float16):
+            outputs = wrapper(x)
+    else:
+        monkeypatch.setattr(torch_data_parallel, "_get_available_device_type", lambda: "cpu")
+        wrapper = our_dp.data_parallel(linear, [0, 1], "", functional=False)
+        with torch.autocast("cpu", dtype=torch.float16):
+            outputs = wrapper.parallel_apply([linear, linear], [(x[:2],), (x[2:],)], None)
+    assert [out.dtype for out in outputs] == [torch.float16] * len(outputs)
+
+
+@pytest.mark.parametrize("name", DP_MODES)
+def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, monkeypatch, name):
+    # model.compile() binds the compiled call to the module; replicate() copies __dict__, so every
+    # replica would run cuda:0's weights.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    extra = ["mode.dp_block=features"] if name == "dp_block" else []
+    with pytest.raises(ConfigError) as error:
+        resolve(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
+    assert str(error.value) == (
+        f"compile=true with mode={name} on 2 GPUs: DataParallel's replicas would all run cuda:0's compiled "
+        "model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
+    )
+    for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
+        resolve(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
+
+
+def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
+    # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
+    with pytest.raises(ConfigError) as error:
+        validate(make_config("mode=ddp", "gpus=2", "compile=true"))
+    assert str(error.value) == (
+        "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
+        "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
+        "mode.overlap=false, or compile=false"
+    )
+    validate(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
+    validate(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
+
+
+class FakeEvent:
+    """torch.cuda.Event on a fake stream: ``record()`` stamps the next time of ``TIMES`` (ms)."""
+
+    TIMES: list[float] = []
+    recorded: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.ms = None
+
+    def record(self, stream=None):
+        self.ms = FakeEvent.TIMES.pop(0)
+        FakeEvent.recorded.append(self)
+
+    def synchronize(self):
+        assert self.ms is not None
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+class FakeWaitClock:
+    def last_s(self):
+        return 0.003
+
+
+def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
+    # torch.cuda.synchronize() waits for every stream, NCCL's too: phases built on it count the
+    # communication that overlapped as compute, and comm_wait reads 0.
+    def device_wide(*args):
+        raise AssertionError("a device-wide synchronise in a phase mark")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.TIMES, FakeEvent.recorded = [0.0, 1.0, 11.0, 13.0], []
+    model = nn.Linear(2, 2)
+    model._comm_wait = FakeWaitClock()  # what our DDP exposes: it waited 3 ms of the 10 ms of backward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
+    timer.start(sample=True)
+    timer.mark("data")
+    model(torch.randn(1, 2)).sum().backward()
+    optimizer.step()
+    assert len(FakeEvent.recorded) == 4
+    means = timer.lap()
+    assert means == pytest.approx({"data": 1.0, "forward_backward": 7.0, "comm_wait": 3.0, "optimizer": 2.0})
+
+
+class FakeStream:
+    synchronized: list[torch.device] = []
+
+    def __init__(self, device):
+        self.device = device
+
+    def synchronize(self):
+        FakeStream.synchronized.append(self.device)
+
+
+def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(monkeypatch):
+    def device_wide(*args):
+        raise AssertionError("a device-wide synchronise")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    FakeStream.synchronized = []
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]  # dp on two GPUs
+    clock = metrics.Stopwatch(devices)
+    clock.start()
+    clock.stop()
+    assert FakeStream.synchronized == devices * 2
+    throughput = metrics.Throughput(devices, warmup_steps=0)
+    throughput.step(8)
+    throughput.step(8)
+    throughput.lap()
+    assert FakeStream.synchronized == devices * 4
+
+
+def test_the_devices_of_a_process(make_config):
+    two = [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert Topology("dp", "cuda", 1, 64, gpus=2).devices == two
+    assert Topology("split", "cuda", 1, 64, gpus=4).devices == two  # split uses at most 2
+    assert Topology("split", "cuda", 1, 64, gpus=1).devices == [torch.device("cuda:0")]  # and the CPU
+    assert Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1).devices == [torch.device("cuda:1")]
+    assert Topology("dp", "cpu", 1, 64, gpus=2).devices == [torch.device("cpu")]
+
+
+@pytest.fixture
+def cuda_setup(monkeypatch):
+    """setup_process's CUDA calls, recorded instead of run."""
+    calls = {"reset": [], "init": None}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls["reset"].append(device))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.update(init=(args, kwargs)))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls
+
+
+def test_nccl_is_initialised_bound_to_the_device(cuda_setup):
+    # Without device_id every rank warns at each barrier(), and a broken NCCL surfaces inside the wrapper.
+    ranks = Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1, backend="nccl")
+    setup_process(ranks, deterministic=True, timeout_s=60)
+    args, kwargs = cuda_setup["init"]
+    assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda:1") and kwargs["rank"] == 1
+
+
+def test_each_run_starts_with_the_peak_memory_of_every_device_reset(cuda_setup):
+    setup_process(Topology("dp", "cuda", 1, 64, gpus=2), deterministic=True, timeout_s=60)
+    assert cuda_setup["reset"] == [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert cuda_setup["init"] is None  # dp needs no process group
+
+
+def test_the_peak_memory_of_every_device_is_reported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2**20 * (1 + device.index))
+    peaks = metrics.cuda_peak_mib([torch.device("cuda:0"), torch.device("cuda:1")])
+    assert peaks == {"cuda:0": 1.0, "cuda:1": 2.0}
+    assert metrics.cuda_peak_mib([torch.device("cpu")]) is None
+
+
+def test_a_checkpoint_keeps_the_random_state_of_every_cuda_device(monkeypatch):
+    # dp's replicas draw dropout masks on every GPU: cuda:0's state alone does not resume bit for bit.
+    states = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.extend(new))
+    (saved,) = checkpoint.rng_states_of_all_ranks()
+    assert saved["cuda"] == states
+    checkpoint.restore_rng([saved], rank=0)
+    assert restored == states
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_setup_sets_the_tf32_policy_for_convolutions_and_matmuls(tf32):
+    # torch 2.14 runs fp32 cuDNN convolutions in TF32 by default: exact comparisons on a GPU need it off.
+    setup_process(Topology("single", "cpu", 1, 64, gpus=1), deterministic=True, timeout_s=60, tf32=tf32)
+    precision = "tf32" if tf32 else "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision == precision
+    assert torch.backends.cuda.matmul.fp32_precision == precision
+    # torch's own code (inductor) still reads the legacy flags: they must say the same, not raise.
+    assert torch.backends.cudnn.allow_tf32 is tf32 and torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+
+
+def test_tf32_is_off_by_default(make_config):
+    assert make_config().tf32 is False
+
+
+@pytest.fixture
+def srun_task(monkeypatch):
+    """This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``."""
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODELIST": "node1"}
+    for key, value in {**slurm, "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_srun_with_one_gpu_per_task_uses_cuda_0(make_config, monkeypatch, srun_task):
+    # --gpus-per-task=1: each task sees its own GPU as cuda:0; SLURM_LOCALID is not a device index.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    found = from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    assert (found.rank, found.local_rank, found.device) == (1, 1, torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every task sees the node's GPUs
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:1")
+
+
+def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible; use device=cpu"):
+        from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
+
+
+def test_torchrun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
+        from_env(make_config("mode=ddp", "gpus=2", "device=cuda"))
+
+
+def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
+    # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first use in a process: importing the package is
+    # the first thing any of its processes does. A process that used CUDA before importing it is warned.
+    code = (
+        "import os, sys, warnings; import torch; late = sys.argv[1] == 'late'\n"
+        "if late: torch.cuda.is_initialized = lambda: True\n"
+        "import mnist_dist; from mnist_dist.topology import deterministic_kernels\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always'); deterministic_kernels(True)\n"
+        "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), [str(w.message) for w in caught])"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
+    for case in ("early", "late"):
+        run = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        setting, caught = run.stdout.split(" ", 1)
+        assert setting == ":4096:8"
+        if case == "early":
+            assert caught.strip() == "[]"
+        else:
+            assert "CUDA was in use before mnist_dist was imported" in caught
+
+
+def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
+    # Our DDP copies gradients into its buckets (they are not views of them): both take memory.
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), message_size=30)
+    optimizer = torch.optim.Adadelta(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    floats = sum(p.numel() for p in model.parameters())  # 58
+    buckets = sum(bucket.numel() for bucket in model.bucket_buffers)
+    assert buckets == floats and len(model.bucket_buffers) == 2
+    # fp32 parameters, gradients, Adadelta's two buffers per parameter and its step count (a 0-d tensor
+    # per parameter), and the buckets
+    assert metrics.state_bytes(model, optimizer) == 4 * (floats * 4 + 4 + buckets)
+
+
+def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
+    # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
+    synchronized = []
+    monkeypatch.setattr(bench, "synchronize", lambda devices: synchronized.append(devices))
+    result = bench.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
+    assert result["images_per_s"] > 0 and synchronized == [[torch.device("cpu")]] * 2  # before each clock read
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"images_per_s": 1.0}')
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    settings = {"batch": 8, "steps": 2, "warmup": 1, "device": "cuda", "gpus": 2}
+    bench.run_case("ceiling", tmp_path, settings, 0)
+    assert commands[0][commands[0].index("--device") + 1] == "cuda"
