@@ -1,5 +1,5 @@
 """GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (one H200: see
-docs/gpus-desk-check.md for the time budget).
+docs/gpus.md for the time budget).
 
     mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
     python -m mnist_dist.tools.gpu_check               # on a machine with CUDA
