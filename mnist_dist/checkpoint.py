@@ -5,6 +5,9 @@ exactly where the interrupted one stopped.
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
 its own, ``FORMAT``, and names any other in a one-line refusal.
+
+Every file here is written beside its target and renamed over it: a symlink planted under the final
+name is replaced, never written through, and the file gets the user's umask like the rest of the run.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import io
 import json
 import os
 import random
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +53,16 @@ def _atomic_write(path: Path, data: bytes | memoryview) -> None:
     # file: the next save of the same file removes it (run directories are never shared).
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Not mkstemp: it creates 0600, and a teammate sharing the experiment directory could not read the
+    # results. O_EXCL refuses anything already under the temp name, a planted symlink included.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # a symlink at ``path`` is replaced; what it pointed to is left alone
     except OSError as error:  # a write to a descriptor names no file: name the one that failed
         Path(tmp).unlink(missing_ok=True)
         raise OSError(error.errno, error.strerror, str(path)) from None
@@ -91,6 +97,10 @@ def save_kept(state: dict, path: Path, keep: int) -> None:
 
 def save_json(obj: dict, path: Path) -> None:
     _atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def save_text(text: str, path: Path) -> None:
+    _atomic_write(path, text.encode())
 
 
 def locate(resume: str) -> Path:

@@ -25,7 +25,7 @@ from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import FILE_ONLY, console_handler
+from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import state, unwrap
@@ -119,7 +119,7 @@ def build(
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
         log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
-        (run_dir / "config.yaml").write_text(config_yaml)
+        checkpoint.save_text(config_yaml, run_dir / "config.yaml")  # replaces a planted symlink, never follows it
     train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
     test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
     if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
@@ -371,7 +371,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     log.handlers.clear()
     log.propagate = False
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
+    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
     if rank == 0:
         handlers.append(console_handler())  # tracebacks and the full config go to the log file only
     for handler in handlers:
