@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import math
 import os
 import random
 import secrets
@@ -96,11 +97,22 @@ def save_kept(state: dict, path: Path, keep: int) -> None:
 
 
 def save_json(obj: dict, path: Path) -> None:
-    _atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
+    """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
+    _atomic_write(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n").encode())
 
 
 def save_text(text: str, path: Path) -> None:
     _atomic_write(path, text.encode())
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
 
 
 def locate(resume: str) -> Path:
