@@ -4,7 +4,8 @@ exactly where the interrupted one stopped.
 
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
-its own, ``FORMAT``, and names any other in a one-line refusal.
+its own, ``FORMAT``, and names any other in a one-line refusal. The config it holds is read as plain
+YAML (``saved_settings``): no interpolation, no resolver, no alias, bounded in size.
 
 Every file here is written beside its target and renamed over it: a symlink planted under the final
 name is replaced, never written through, and the file gets the user's umask like the rest of the run.
@@ -24,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
@@ -46,6 +47,7 @@ _ENTRIES = {
     "world_size": int,
     "config": str,
 }
+CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 
 
 def _atomic_write(path: Path, data: bytes | memoryview) -> None:
@@ -155,22 +157,51 @@ def load(path: Path) -> dict:
     return state
 
 
+class _Aliased(Exception):
+    pass
+
+
+class _PlainYaml(yaml.SafeLoader):
+    """YAML as plain data and without aliases: mnist_dist writes none, and a few hundred bytes of nested
+    aliases expand to billions of nodes (a "billion laughs") in whatever walks the result."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise _Aliased
+        return super().compose_node(parent, index)
+
+
+def saved_settings(state: dict) -> dict:
+    """What the resume check compares, from the checkpoint's config read as plain data: model, batch_size,
+    epochs and the data set's name. Never through OmegaConf, whose interpolations and resolvers
+    (``${oc.env:...}``, or mnist_dist's ``unique_dir``, which creates directories) a crafted file would run."""
+    text, refused = state["config"], "resume: the checkpoint's config {}; resume another checkpoint.pt"
+    if len(text.encode()) > CONFIG_BYTES:
+        raise ConfigError(refused.format("is over 1 MiB, far more than mnist_dist writes"))
+    try:
+        saved = yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
+        settings = {key: saved[key] for key in ("model", "batch_size", "epochs")} | {"data": saved["data"]["name"]}
+    except _Aliased:
+        raise ConfigError(refused.format("uses YAML aliases, which mnist_dist never writes")) from None
+    except Exception:  # not YAML, not a mapping, a key missing, nested too deep: the same to the user
+        settings = {}
+    kinds = {"model": dict, "batch_size": int, "epochs": int, "data": str}
+    if not all(type(settings.get(key)) is kind for key, kind in kinds.items()):  # bool is no batch size
+        raise ConfigError(refused.format("is not a mnist_dist config"))
+    return settings
+
+
 def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
     """Refuses to continue a run with a different model, global batch or world size (``ranks``), unless
     told to, and anything the run could not restore: checked before anything is written."""
-    try:
-        saved = OmegaConf.create(state["config"])
-        compared = [
-            ("model", OmegaConf.to_container(saved.model), cfg.model),
-            ("batch_size", saved.batch_size, cfg.batch_size),
-            ("world_size", state["world_size"], ranks),
-            ("data", saved.data.name, cfg.data.name),
-        ]
-    except Exception:
-        raise ConfigError(
-            "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
-        ) from None
-    changes = [f"{key} {before} -> {after}" for key, before, after in compared if before != after]
+    saved = saved_settings(state)
+    compared = [
+        ("model", saved["model"], cfg.model),
+        ("batch_size", saved["batch_size"], cfg.batch_size),
+        ("world_size", state["world_size"], ranks),
+        ("data", saved["data"], cfg.data.name),
+    ]
+    changes = [f"{key} {_shown(before)} -> {_shown(after)}" for key, before, after in compared if before != after]
     if changes and not cfg.resume_allow_changes:
         raise ConfigError(
             f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
@@ -187,6 +218,11 @@ def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
             "it was trained with"
         )
     _check_restorable(state, cfg)
+
+
+def _shown(value: Any) -> str:
+    text = str(value).replace("\n", "\\n")  # a crafted value must not break the one line, nor fill a screen
+    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 def _check_restorable(state: dict, cfg: Config) -> None:

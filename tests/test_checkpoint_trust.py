@@ -1,20 +1,30 @@
 """What a checkpoint can be trusted with (issue 27, round 3): no checkpoint holds weights that were not
-checked. Each test failed on commit f307ea7."""
+checked, and a checkpoint's config is read as plain data. Each test failed on commit f307ea7."""
 
 import json
+import shutil
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import compose_config
 
 from mnist_dist import checkpoint
+from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.step import TrainingDiverged
 
 # 640 tiny images at batch 32: 20 steps an epoch
 SHORT = ("epochs=1", "batch_size=32")
 FAILING = ("model._target_=failing_model.FailingConvNet", "+model.fail_rank=0")
+
+
+def tree(run_dir: Path) -> dict[str, bytes]:
+    """Every file under ``run_dir`` (tb/ included), by relative path: what a refused launch must not change."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
 def saved_step(path: Path) -> int:
@@ -72,3 +82,118 @@ def test_results_json_is_strict_json(tmp_path):
     checkpoint.save_json({"loss": float("nan"), "times": [inf, 1.5], "peak": {"x": -inf}, "n": 3}, tmp_path / "r.json")
     parsed = json.loads((tmp_path / "r.json").read_text(), parse_constant=_no_constants)
     assert parsed == {"loss": None, "times": [None, 1.5], "peak": {"x": None}, "n": 3}
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def kept(tiny_root, tmp_path_factory) -> Path:
+    """One epoch of single mode with a checkpoint every 10 steps: checkpoint.pt (step 20, the epoch's end)
+    and checkpoint.1.pt (step 10). Do not modify it."""
+    run_dir = tmp_path_factory.mktemp("kept")
+    launch(compose_config(tiny_root, *SHORT, "checkpoint_every_steps=10"), run_dir)
+    return run_dir
+
+
+# --- 4. a checkpoint's config is plain data -----------------------------------------------------
+
+
+@contextmanager
+def deadline(seconds: int):
+    """Fails the test instead of hanging it: a guard, not a time bound (SIGALRM, main thread)."""
+
+    def expired(signum, frame):
+        raise AssertionError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _crafted(kept: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the kept run whose checkpoint.pt holds the config text ``edit(config)`` returns."""
+    run_dir = _copy(kept, tmp_path)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    state["config"] = edit(yaml.safe_load(state["config"]))
+    torch.save(state, run_dir / "checkpoint.pt")
+    return run_dir
+
+
+def _with(**fields):
+    def edit(config):
+        for dotted, value in fields.items():
+            *parents, key = dotted.split("__")
+            node = config
+            for parent in parents:
+                node = node[parent]
+            node[key] = value
+        return yaml.safe_dump(config)
+
+    return edit
+
+
+def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, kept, tmp_path, monkeypatch):
+    monkeypatch.setenv("MNIST_DIST_SECRET", "s3cret-value")
+    made = tmp_path / "made_by_a_resolver"
+    # unique_dir is mnist_dist's own resolver (it creates directories); oc.env reads the environment
+    secret = "${oc.env:MNIST_DIST_SECRET}"
+    run_dir = _crafted(kept, tmp_path, _with(data__name=secret, batch_size=f"${{unique_dir:{made}}}"))
+    with deadline(120), pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
+    assert str(error.value) == (
+        "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
+    )
+    assert not made.exists() and not (tmp_path / "new").exists()
+    run_dir = _crafted(kept, tmp_path / "2", _with(data__name=secret))
+    with deadline(120), pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
+    assert str(error.value).startswith(
+        "resume: the checkpoint was trained with other settings (data ${oc.env:MNIST_DIST_SECRET} -> mnist); "
+    )
+    assert "s3cret" not in str(error.value)
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi")
+)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            f"{BOMB}model: *i\nbatch_size: 32\nepochs: 1\ndata: {{name: mnist}}\n",
+            "resume: the checkpoint's config uses YAML aliases, which mnist_dist never writes; resume another "
+            "checkpoint.pt",
+        ),
+        (
+            "model: {_target_: x}\nbatch_size: 32\nepochs: 1\ndata: {name: mnist}\n# " + "x" * 2**20 + "\n",
+            "resume: the checkpoint's config is over 1 MiB, far more than mnist_dist writes; resume another "
+            "checkpoint.pt",
+        ),
+    ],
+    ids=["alias-bomb", "oversized"],
+)
+def test_an_alias_bomb_or_a_huge_config_is_refused_in_one_line(tiny_root, kept, tmp_path, text, message):
+    # 378 bytes that expand to 9**9 strings: the commit before refusing aliases ran out of memory on it
+    assert len(BOMB) < 1500
+    run_dir = _crafted(kept, tmp_path, lambda config: text)
+    before = tree(run_dir)
+    with deadline(120), pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
+    assert str(error.value) == message
+    assert tree(run_dir) == before and not (tmp_path / "new").exists()
+
+
+def test_the_compared_fields_still_tell_a_changed_setting(tiny_root, kept, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", "batch_size=64", f"resume={kept}"), tmp_path / "new")
+    assert str(error.value).startswith("resume: the checkpoint was trained with other settings (batch_size 32 -> 64)")
