@@ -207,6 +207,8 @@ def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
             f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
             "use the same settings, or resume_allow_changes=true if that is intended"
         )
+    if _check_restorable(state, cfg):
+        _check_plan(state, saved, cfg)
     if state["epoch"] >= cfg.epochs:
         raise ConfigError(
             f"resume: the checkpoint has finished epoch {state['epoch']} of {cfg.epochs}; "
@@ -217,7 +219,6 @@ def check_resumable(state: dict, cfg: Config, ranks: int) -> None:
             "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
             "it was trained with"
         )
-    _check_restorable(state, cfg)
 
 
 def _shown(value: Any) -> str:
@@ -225,16 +226,37 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 200 else f"{text[:200]}..."
 
 
-def _check_restorable(state: dict, cfg: Config) -> None:
+def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
+    # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch. Resumed with
+    # another length it would step past its plan (an error after the run directory was written to) or
+    # stop short of it.
+    name = str(cfg.scheduler.get("_target_", "scheduler")).rsplit(".", 1)[-1]
+    if state["epoch"] >= saved["epochs"]:
+        raise ConfigError(
+            f"resume: the checkpoint has finished epoch {state['epoch']} of {saved['epochs']}, and its {name} "
+            "schedule ended there; start a new run to train longer"
+        )
+    if (saved["epochs"], saved["batch_size"]) != (cfg.epochs, cfg.batch_size):
+        raise ConfigError(
+            f"resume: the checkpoint's {name} plans the learning rate over epochs={saved['epochs']} at "
+            f"batch_size={saved['batch_size']}, this run over epochs={cfg.epochs} at batch_size={cfg.batch_size}; "
+            f"a schedule over all steps cannot change length: resume with epochs={saved['epochs']} "
+            f"batch_size={saved['batch_size']}, or start a new run"
+        )
+
+
+def _check_restorable(state: dict, cfg: Config) -> bool:
     # What train does on resume, done here on the CPU: a model or optimizer that does not fit fails
-    # now, with one line, not in every worker after the run directory was written to.
+    # now, with one line, not in every worker after the run directory was written to. Returns whether
+    # the scheduler steps after every step (it then plans the whole run: _check_plan).
     try:
         model = instantiate(cfg.model)
         model.load_state_dict(state["model"])
         optimizer = instantiate(cfg.optim)(model.parameters())
         optimizer.load_state_dict(state["optimizer"])
         # total_steps: any plan; OneCycleLR's state holds the run's own
-        make_scheduler(cfg.scheduler, optimizer, cfg.epochs)[0].load_state_dict(state["scheduler"])
+        scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, cfg.epochs)
+        scheduler.load_state_dict(state["scheduler"])
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
         raise ConfigError(
@@ -242,6 +264,7 @@ def _check_restorable(state: dict, cfg: Config) -> None:
             f"{cfg.optim.get('_target_')} ({type(error).__name__}: {detail.rstrip(':')}); resume with the model and "
             "optimizer it was trained with"
         ) from None
+    return per_step
 
 
 def gather_objects(mine: Any) -> list:

@@ -1,5 +1,6 @@
 """What a checkpoint can be trusted with (issue 27, round 3): no checkpoint holds weights that were not
-checked, and a checkpoint's config is read as plain data. Each test failed on commit f307ea7."""
+checked, a schedule is never resumed past its plan, and a checkpoint's config is read as plain data.
+Each test failed on commit f307ea7."""
 
 import json
 import shutil
@@ -19,6 +20,7 @@ from mnist_dist.step import TrainingDiverged
 
 # 640 tiny images at batch 32: 20 steps an epoch
 SHORT = ("epochs=1", "batch_size=32")
+FAST = ("recipe=fast", "batch_size=128")  # OneCycleLR needs 8 steps or more (pct_start 0.25)
 FAILING = ("model._target_=failing_model.FailingConvNet", "+model.fail_rank=0")
 
 
@@ -84,10 +86,59 @@ def test_results_json_is_strict_json(tmp_path):
     assert parsed == {"loss": None, "times": [None, 1.5], "peak": {"x": None}, "n": 3}
 
 
+# --- 2. a per-step schedule resumed with another length ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fast_run(tiny_root, tmp_path_factory) -> Path:
+    """recipe=fast (OneCycleLR over all steps), 2 epochs of 5 steps, a checkpoint at every step: the run
+    directory holds checkpoint.pt (finished, step 10) and checkpoint.1.pt (step 9). Do not modify it."""
+    run_dir = tmp_path_factory.mktemp("fast")
+    launch(compose_config(tiny_root, *FAST, "epochs=2", "checkpoint_every_steps=1"), run_dir)
+    return run_dir
+
+
 def _copy(run_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     return copy
+
+
+@pytest.mark.parametrize(
+    "resume, epochs, message",
+    [
+        (
+            "checkpoint.1.pt",
+            3,
+            "resume: the checkpoint's OneCycleLR plans the learning rate over epochs=2 at batch_size=128, this run "
+            "over epochs=3 at batch_size=128; a schedule over all steps cannot change length: resume with "
+            "epochs=2 batch_size=128, or start a new run",
+        ),
+        (
+            "checkpoint.pt",
+            3,
+            "resume: the checkpoint has finished epoch 2 of 2, and its OneCycleLR schedule ended there; start a "
+            "new run to train longer",
+        ),
+    ],
+    ids=["mid-run", "finished"],
+)
+def test_a_per_step_schedule_of_another_length_is_refused_and_nothing_is_written(
+    tiny_root, fast_run, tmp_path, resume, epochs, message
+):
+    run_dir = _copy(fast_run, tmp_path)
+    before = tree(run_dir)
+    cfg = compose_config(tiny_root, *FAST, f"epochs={epochs}", f"resume={run_dir / resume}")
+    with pytest.raises(ConfigError) as error:
+        launch(cfg, tmp_path / "new")
+    assert str(error.value) == message
+    assert tree(run_dir) == before and not (tmp_path / "new").exists()
+
+
+def test_a_per_step_schedule_resumes_with_its_own_length(tiny_root, fast_run, tmp_path):
+    run_dir = _copy(fast_run, tmp_path)
+    launch(compose_config(tiny_root, *FAST, "epochs=2", f"resume={run_dir / 'checkpoint.1.pt'}"), tmp_path)
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 10
 
 
 @pytest.fixture(scope="module")
