@@ -16,9 +16,11 @@ from __future__ import annotations
 import glob
 import io
 import json
+import logging
 import math
 import os
 import random
+import re
 import secrets
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from hydra.utils import instantiate
 from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
+from mnist_dist.step import first_non_finite
 
 FORMAT = 4
 # What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
@@ -48,6 +51,8 @@ _ENTRIES = {
     "config": str,
 }
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
+
+log = logging.getLogger("mnist_dist")
 
 
 def _atomic_write(path: Path, data: bytes | memoryview) -> None:
@@ -129,36 +134,91 @@ def locate(resume: str) -> Path:
     return path
 
 
-def load(path: Path) -> dict:
-    """The checkpoint at ``path``, in the current format, or a ConfigError (one line) saying why not."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, not a checkpoint, crafted, unreadable: the same to the user
-        raise ConfigError(
-            f"resume={path}: cannot read the checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else 'no detail'})"
-        ) from None
-    if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} & state.keys():
-        raise ConfigError(
-            f"resume={path}: not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)"
-        )
-    version = state.pop("format", 1)  # the first layout had no format key
-    if version != FORMAT:
-        raise ConfigError(
-            f"resume={path}: checkpoint format {version!r}, but this version of mnist_dist reads format "
-            f"{FORMAT} only; resume it with the version that wrote it"
-        )
-    wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
-    if wrong:
-        raise ConfigError(
-            f"resume={path}: the checkpoint lacks or has a wrong {', '.join(wrong)} (damaged, or not written by "
-            "mnist_dist); resume from another checkpoint.pt"
-        )
-    return state
+class _Unusable(Exception):
+    """Why a checkpoint file cannot be resumed from (the message, without the path)."""
 
 
 class _Aliased(Exception):
     pass
+
+
+def load(path: Path) -> dict:
+    """The checkpoint at ``path``, in the current format, or a ConfigError (one line) saying why not and
+    naming the older checkpoints kept beside it."""
+    try:
+        return _read(path)
+    except _Unusable as why:
+        older = kept_older(path)
+        hint = (
+            f"; older checkpoints there: {', '.join(p.name for p in older)} (resume={older[0]}; resume=auto "
+            "takes the newest readable one)"
+            if older
+            else ""
+        )
+        raise ConfigError(f"resume={path}: {why}{hint}") from None
+
+
+def _read(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, not a checkpoint, crafted, unreadable: the same to the user
+        detail = str(error).splitlines()[0] if str(error) else "no detail"
+        raise _Unusable(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} & state.keys():
+        raise _Unusable("not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)")
+    version = state.pop("format", 1)  # the first layout had no format key
+    if version != FORMAT:
+        raise _Unusable(
+            f"checkpoint format {version!r}, but this version of mnist_dist reads format {FORMAT} only; resume it "
+            "with the version that wrote it"
+        )
+    wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
+    if wrong:
+        raise _Unusable(
+            f"the checkpoint lacks or has a wrong {', '.join(wrong)} (damaged, or not written by mnist_dist); "
+            "resume from another checkpoint.pt"
+        )
+    poisoned = first_non_finite(state["model"])  # saved by a version that did not check before saving
+    if poisoned:
+        raise _Unusable(f"the checkpoint's weights are not finite ({poisoned}): it was saved after training diverged")
+    return state
+
+
+def kept_older(path: Path) -> list[Path]:
+    """The older checkpoints ``save_kept`` keeps beside ``path``, newest first: ``checkpoint.1.pt``,
+    ``checkpoint.2.pt``, ... for ``checkpoint.pt``; those after it for ``checkpoint.1.pt``."""
+    named = re.fullmatch(r"(.*?)(?:\.(\d+))?\.pt", path.name)
+    if not named:
+        return []
+    base, number = named.group(1), int(named.group(2) or 0)
+    found = []
+    for sibling in path.parent.glob(f"{glob.escape(base)}.*.pt"):
+        older = re.fullmatch(rf"{re.escape(base)}\.(\d+)\.pt", sibling.name)
+        if older and int(older.group(1)) > number and sibling.is_file():
+            found.append((int(older.group(1)), sibling))
+    return [sibling for _, sibling in sorted(found)]
+
+
+def newest_readable(run_dir: Path) -> Path | None:
+    """``resume=auto``'s checkpoint: the newest one kept in ``run_dir`` that can be resumed from, saying in
+    one line which it skipped; None when there is none, a ConfigError when none can be read. A torchrun
+    restart or a SLURM requeue runs the same command again: refusing would fail every attempt alike."""
+    newest = run_dir / "checkpoint.pt"
+    skipped = []
+    for path in ([newest] if newest.is_file() else []) + kept_older(newest):
+        try:
+            state = _read(path)
+        except _Unusable as why:
+            skipped.append(f"{path.name} ({why})")
+            continue
+        if skipped:
+            log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, state["step"])
+        return path
+    if skipped:
+        raise ConfigError(
+            f"resume=auto: no checkpoint in {run_dir} can be read: {'; '.join(skipped)}; move them away to start afresh"
+        )
+    return None
 
 
 class _PlainYaml(yaml.SafeLoader):

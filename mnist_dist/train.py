@@ -188,7 +188,7 @@ def restore(run: Run, resumed: dict) -> None:
     run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
     checkpoint.restore_rng(resumed["rng"], run.topology.rank)
     restore_meters(run, resumed["meters"])
-    run.good_checkpoint = (Path(run.cfg.resume), run.step)
+    run.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
 
 

@@ -1,8 +1,9 @@
 """What a checkpoint can be trusted with (issue 27, round 3): no checkpoint holds weights that were not
-checked, a schedule is never resumed past its plan, and a checkpoint's config is read as plain data.
-Each test failed on commit f307ea7."""
+checked, a schedule is never resumed past its plan, resume=auto gets past an unreadable newest
+checkpoint, and a checkpoint's config is read as plain data. Each test failed on commit f307ea7."""
 
 import json
+import logging
 import shutil
 import signal
 from contextlib import contextmanager
@@ -141,6 +142,9 @@ def test_a_per_step_schedule_resumes_with_its_own_length(tiny_root, fast_run, tm
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 10
 
 
+# --- 3. resume=auto past an unreadable newest checkpoint ---------------------------------------
+
+
 @pytest.fixture(scope="module")
 def kept(tiny_root, tmp_path_factory) -> Path:
     """One epoch of single mode with a checkpoint every 10 steps: checkpoint.pt (step 20, the epoch's end)
@@ -148,6 +152,79 @@ def kept(tiny_root, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("kept")
     launch(compose_config(tiny_root, *SHORT, "checkpoint_every_steps=10"), run_dir)
     return run_dir
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def logged():
+    """The mnist_dist logger's messages, as lines (the worker replaces its handlers once it starts)."""
+    records, logger = Records(), logging.getLogger("mnist_dist")
+    logger.addHandler(records)
+    try:
+        yield records.lines
+    finally:
+        logger.removeHandler(records)
+
+
+def _poison(path: Path) -> None:
+    """What an older mnist_dist could save after a diverged step: NaN weights."""
+    state = torch.load(path, weights_only=True)
+    state["model"]["classifier.3.bias"][0] = float("nan")
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nan"])
+def test_resume_auto_falls_back_to_the_newest_readable_checkpoint_and_says_so(tiny_root, kept, tmp_path, damage):
+    run_dir = _copy(kept, tmp_path)
+    if damage == "truncated":
+        newest = run_dir / "checkpoint.pt"
+        newest.write_bytes(newest.read_bytes()[:1000])
+        why = "cannot read the checkpoint (RuntimeError: "
+    else:
+        _poison(run_dir / "checkpoint.pt")
+        why = "the checkpoint's weights are not finite (classifier.3.bias)"
+    cfg = compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto")
+    with logged() as lines:
+        launch(cfg, run_dir)
+    (said,) = [line for line in lines if line.startswith("resume=auto")]
+    assert said.startswith(f"resume=auto: skipped checkpoint.pt ({why}")
+    assert said.endswith(f"; resuming from {run_dir}/checkpoint.1.pt (step 10)")
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 40  # steps 11 to 40 were trained
+
+
+def test_resume_auto_with_no_readable_checkpoint_is_refused_naming_each(tiny_root, kept, tmp_path):
+    run_dir = _copy(kept, tmp_path)
+    for name in ("checkpoint.pt", "checkpoint.1.pt"):
+        (run_dir / name).write_bytes(b"not a checkpoint")
+    before = tree(run_dir)
+    with pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto"), run_dir)
+    message = str(error.value)
+    assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: checkpoint.pt (cannot read ")
+    assert "; checkpoint.1.pt (cannot read " in message and message.endswith("; move them away to start afresh")
+    assert "\n" not in message and tree(run_dir) == before
+
+
+def test_an_explicit_unreadable_checkpoint_is_refused_naming_the_older_ones(tiny_root, kept, tmp_path):
+    run_dir = _copy(kept, tmp_path)
+    (run_dir / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    before = tree(run_dir)
+    with pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
+    assert str(error.value).startswith(f"resume={run_dir}/checkpoint.pt: cannot read the checkpoint (")
+    assert str(error.value).endswith(
+        f"; older checkpoints there: checkpoint.1.pt (resume={run_dir}/checkpoint.1.pt; resume=auto takes the "
+        "newest readable one)"
+    )
+    assert tree(run_dir) == before and not (tmp_path / "new").exists()
 
 
 # --- 4. a checkpoint's config is plain data -----------------------------------------------------
