@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import traceback
 from pathlib import Path
 
@@ -46,11 +47,31 @@ def last_resort(error: BaseException, log: Path) -> str:
     first = summary.splitlines()[0] if summary.strip() else type(error).__name__
     try:
         if not (log.is_file() and summary in log.read_text(errors="replace")):
-            with open(log, "a") as handle:
+            with append_no_follow(log) as handle:
                 handle.write("".join(traceback.format_exception(error)))
         return f"error: {first} (log: {log})"
     except OSError:  # the log cannot be written either (full disk?): say so rather than fail again
         return f"error: {first} (no log: {log} cannot be written)"
+
+
+def append_no_follow(path: Path | str, encoding: str | None = None, errors: str | None = None):
+    """``open(path, "a")``, except that a symbolic link there is refused (OSError naming it) instead of
+    followed: a link planted in a run directory would have the log appended to any file its owner can write."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            message = "it is a symbolic link, which mnist_dist does not write through; remove it"
+            raise OSError(errno.ELOOP, message, str(path)) from None
+        raise
+    return open(fd, "a", encoding=encoding, errors=errors)
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """A FileHandler that refuses a symbolic link at its path (``append_no_follow``)."""
+
+    def _open(self):
+        return append_no_follow(self.baseFilename, self.encoding, self.errors)
 
 
 def console_handler() -> logging.Handler:

@@ -107,12 +107,12 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
 def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
     """Checks what ``resume=`` names before anything is overwritten; returns the directory the run goes on in.
 
-    ``auto`` resumes ``run_dir``'s checkpoint if it has one, else starts fresh: what a restarted torchrun
-    job or a requeued SLURM job, relaunched with the same command, needs.
+    ``auto`` resumes ``run_dir``'s newest readable checkpoint if it has one, else starts fresh: what a
+    restarted torchrun job or a requeued SLURM job, relaunched with the same command, needs.
     """
     if cfg.resume == "auto":
-        found = run_dir / "checkpoint.pt"
-        cfg.resume = str(found) if found.is_file() else ""
+        found = checkpoint.newest_readable(run_dir)  # past an unreadable checkpoint.pt, saying so
+        cfg.resume = str(found) if found else ""
     if not cfg.resume:
         return run_dir
     path = checkpoint.locate(cfg.resume)

@@ -86,17 +86,25 @@ def evaluate(
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became nan or inf; the message names the step."""
+    """The loss, the test loss or the weights became nan or inf; the message names the step."""
 
 
-def check_finite(losses: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one."""
-    bad = (~torch.isfinite(losses)).nonzero()
+def check_finite(losses: torch.Tensor, step: int, rank: int, advice: str) -> torch.Tensor:
+    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one and
+    ending in ``advice`` (what to do: the worker names the checkpoint known to be good)."""
+    bad = (~torch.isfinite(losses)).nonzero()  # one device sync
     if len(bad):
         first = bad[0].item()
         raise TrainingDiverged(
-            f"the training loss is {losses[first].item()} at step "
-            f"{step - len(losses) + 1 + first} (rank {rank}); lower optim.lr, check the "
-            "data, or resume from the last checkpoint"
+            f"the training loss is {losses[first].item()} at step {step - len(losses) + 1 + first} (rank {rank}); "
+            f"{advice}"
         )
     return losses
+
+
+def first_non_finite(tensors: dict) -> str | None:
+    """The name of the first floating-point tensor in ``tensors`` (a state_dict) holding a nan or an inf."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
+            return name
+    return None

@@ -9,6 +9,7 @@ step computes (the optimizer step, evaluation) is in mnist_dist/step.py; this mo
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import FILE_ONLY, console_handler
+from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler
 from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import state, unwrap
@@ -33,7 +34,7 @@ from mnist_dist.parallel.buffers import buffers_from_rank0
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
-from mnist_dist.step import check_finite, evaluate, train_step
+from mnist_dist.step import TrainingDiverged, check_finite, evaluate, first_non_finite, train_step
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")
@@ -71,6 +72,7 @@ class Run:
     time_to_target_s: float | None = None  # training time (train_clock) up to that step
     scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
     window_losses: list[torch.Tensor] = field(default_factory=list)  # this log window's, on the device
+    good_checkpoint: tuple[Path, int] | None = None  # the newest checkpoint (path, step): checked when written
 
     def __post_init__(self) -> None:
         self.train_clock, self.eval_clock = Stopwatch(self.throughput.devices), Stopwatch(self.throughput.devices)
@@ -119,7 +121,7 @@ def build(
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
         log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
-        (run_dir / "config.yaml").write_text(config_yaml)
+        checkpoint.save_text(config_yaml, run_dir / "config.yaml")  # replaces a planted symlink, never follows it
     train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
     test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
     if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
@@ -186,6 +188,7 @@ def restore(run: Run, resumed: dict) -> None:
     run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
     checkpoint.restore_rng(resumed["rng"], run.topology.rank)
     restore_meters(run, resumed["meters"])
+    run.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
 
 
@@ -212,8 +215,8 @@ def run_epoch(run: Run, epoch: int) -> None:
         run.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
             run.state_bytes = max(run.state_bytes, state_bytes(run.model, run.optimizer))  # gradients still held
-            loss_value = check_finite(torch.stack(run.window_losses), run.step, rank).mean().item()
-            log_window(run, loss_value)
+            losses = check_finite(torch.stack(run.window_losses), run.step, rank, diverged_advice(run))
+            log_window(run, losses.mean().item())
             run.window_losses = []
         run.progress.step()
         between_steps(run, epoch, position)
@@ -221,7 +224,7 @@ def run_epoch(run: Run, epoch: int) -> None:
             break  # the target is reached
     run.train_clock.stop()
     if run.window_losses:  # the epoch's last steps, short of a full window
-        check_finite(torch.stack(run.window_losses), run.step, rank)
+        check_finite(torch.stack(run.window_losses), run.step, rank, diverged_advice(run))
     run.throughput.pause()
 
 
@@ -260,6 +263,10 @@ def evaluate_now(run: Run) -> bool:
                 run.topology.world_size,
             )
         run.eval_clock.stop()
+    if not math.isfinite(run.test_loss):  # the last step's update diverged: its training loss was still finite
+        raise TrainingDiverged(
+            f"the test loss is {run.test_loss} after step {run.step} (rank {run.topology.rank}); {diverged_advice(run)}"
+        )
     run.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
     run.evaluated_step = run.step
     target = run.cfg.target_accuracy
@@ -298,12 +305,22 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next
-    (a collective: every rank's random state is gathered)."""
+    (a collective: every rank's random state is gathered). Never from unchecked weights: the divergence
+    check runs every ``log_every`` steps and checkpoints at their own steps, so the losses since the last
+    check are checked here, and rank 0 checks the weights it writes (a step's update can diverge while its
+    loss was finite)."""
+    if run.window_losses:
+        check_finite(torch.stack(run.window_losses), run.step, run.topology.rank, diverged_advice(run))
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
     rng = checkpoint.rng_states_of_all_ranks()
     meters = checkpoint.gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
     model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
+        poisoned = first_non_finite(model_state)
+        if poisoned:
+            raise TrainingDiverged(
+                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {diverged_advice(run)}"
+            )
         saved = {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -319,6 +336,15 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "format": checkpoint.FORMAT,
         }
         checkpoint.save_kept(saved, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
+    run.good_checkpoint = (run.run_dir / "checkpoint.pt", run.step)
+
+
+def diverged_advice(run: Run) -> str:
+    """What a divergence error says to do; the checkpoint it names was checked before it was written."""
+    if run.good_checkpoint is None:
+        return "lower optim.lr or check the data (no checkpoint was written before it)"
+    path, step = run.good_checkpoint
+    return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
 
 
 def meters_of(run: Run, mid_epoch: bool) -> dict:
@@ -372,7 +398,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     log.handlers.clear()
     log.propagate = False
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
+    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
     if rank == 0:
         handlers.append(console_handler())  # tracebacks and the full config go to the log file only
     for handler in handlers:

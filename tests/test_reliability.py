@@ -114,8 +114,8 @@ def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path):
     )
     assert code == 1
     assert err.strip().splitlines()[-1] == (
-        "error: the training loss is nan at step 3 (rank 0); lower "
-        "optim.lr, check the data, or resume from the last checkpoint"
+        "error: the training loss is nan at step 3 (rank 0); lower optim.lr or check the data (no checkpoint was "
+        "written before it)"
     )
 
 
