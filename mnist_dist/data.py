@@ -173,7 +173,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
             checked_md5 = md5 if source.rstrip("/") in official else None
             with _fetch(source, gz_name, checked_md5, raw) as src, _atomic(dest) as tmp:
                 opener = gzip.open if src.suffix == ".gz" else open
-                with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+                with opener(src, "rb") as fin, _open_new(tmp) as fout:
                     _copy_at_most(fin, fout, _largest_valid(gz_name))
                 count = _check_idx(tmp, images)
             _record_fetched(dest)
@@ -211,21 +211,37 @@ def _copy_at_most(fin, fout, limit: int) -> None:
         fout.write(chunk)
 
 
+def _open_new(path: Path):
+    """``path`` created for writing, with the user's umask, after removing what a killed prepare left there.
+
+    The root may be shared: O_EXCL refuses to follow a link that another user plants at the name (or an
+    existing file), so nothing outside the folder is ever written through it."""
+    path.unlink(missing_ok=True)  # a link itself, never its target
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
+def _fetched_record(root: Path) -> dict:
+    """What prepare wrote under ``root`` (a link planted in place of the record counts as no record)."""
+    try:
+        with os.fdopen(os.open(root / _FETCHED, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            fetched = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return fetched if isinstance(fetched, dict) else {}
+
+
 def _fetched_here(dest: Path) -> bool:
     try:
-        return json.loads((dest.parent.parent / _FETCHED).read_text()).get(dest.name) == dest.stat().st_ino
-    except (OSError, ValueError):
+        return _fetched_record(dest.parent.parent).get(dest.name) == dest.stat().st_ino
+    except OSError:
         return False
 
 
 def _record_fetched(dest: Path) -> None:
-    record = dest.parent.parent / _FETCHED
-    try:
-        fetched = json.loads(record.read_text())
-    except (OSError, ValueError):
-        fetched = {}
-    fetched[dest.name] = dest.stat().st_ino
-    record.write_text(json.dumps(fetched))
+    fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
+    with _atomic(dest.parent.parent / _FETCHED) as tmp, _open_new(tmp) as out:
+        out.write(json.dumps(fetched).encode())
 
 
 @contextmanager
@@ -266,7 +282,7 @@ class _NoDowngrade(urllib.request.HTTPRedirectHandler):
 def _download(url: str, path: Path, limit: int) -> None:
     """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received)."""
     opener = urllib.request.build_opener(_NoDowngrade)
-    with opener.open(url, timeout=_TIMEOUT_S) as response, open(path, "wb") as out:
+    with opener.open(url, timeout=_TIMEOUT_S) as response, _open_new(path) as out:
         announced = int(response.headers.get("Content-Length") or 0)
         if announced > limit:
             raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import http.server
 import logging
+import os
 import socket
 import struct
 import subprocess
@@ -410,3 +411,52 @@ def test_offline_mnist_names_the_fashion_mnist_package_route(tmp_path):
         "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
         "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
     )
+
+
+# --- a shared root (issue 27): planted links, the umask, slow mirrors, an empty split ---------
+
+
+def plant(link: Path, victim: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    victim.write_bytes(b"another user's file")
+    link.symlink_to(victim)
+
+
+@pytest.mark.parametrize("planted", [".train-images-idx3-ubyte.part", ".t10k-labels-idx1-ubyte.part"])
+def test_a_link_planted_at_a_temp_name_is_not_followed(tmp_path, planted):
+    files = idx_set()
+    raw, victim = tmp_path / "root" / "MNIST" / "raw", tmp_path / "victim"
+    plant(raw / planted, victim)
+    data.prepare("mnist", tmp_path / "root", [str(write_set(tmp_path / "mirror", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert not any((raw / name).is_symlink() for name in NAMES)
+    assert {name: (raw / name).read_bytes() for name in NAMES} == files
+
+
+def test_a_link_planted_at_the_download_name_is_not_followed(tmp_path, serve):
+    files = idx_set()
+    raw, victim = tmp_path / "root" / "MNIST" / "raw", tmp_path / "victim"
+    plant(raw / ".download-train-labels-idx1-ubyte.gz", victim)
+    data.prepare("mnist", tmp_path / "root", [serve(write_set(tmp_path / "site", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert {name: (raw / name).read_bytes() for name in NAMES} == files
+
+
+def test_a_link_planted_at_the_record_is_not_followed(tmp_path):
+    files = idx_set()
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    plant(root / "MNIST" / ".fetched.json", victim)
+    raw = data.prepare("mnist", root, [str(write_set(tmp_path / "mirror", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert not (root / "MNIST" / ".fetched.json").is_symlink()
+    assert data._fetched_here(raw / "train-images-idx3-ubyte")  # the record is prepare's own again
+
+
+def test_files_prepare_writes_follow_the_umask(tmp_path, serve):
+    previous = os.umask(0o027)
+    try:
+        raw = data.prepare("mnist", tmp_path / "root", [serve(write_set(tmp_path / "site", idx_set()))])
+    finally:
+        os.umask(previous)
+    written = [raw / name for name in NAMES] + [raw.parent / ".fetched.json"]
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {path.name: "0o640" for path in written}
