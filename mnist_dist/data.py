@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import struct
+import time
 import urllib.request
 import zlib
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,10 @@ _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: 
 _SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
 _FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
 _TIMEOUT_S = 60  # per network read
+# A whole download: a mirror that trickles is given up for the next one. MNIST's largest .gz is 9.9 MB,
+# so this asks for 17 kB/s on average.
+_DEADLINE_S = 600
+_PROGRESS_S = 5  # seconds between the progress lines of a download
 # What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
 # stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
 _SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
@@ -280,13 +285,29 @@ class _NoDowngrade(urllib.request.HTTPRedirectHandler):
 
 
 def _download(url: str, path: Path, limit: int) -> None:
-    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received)."""
+    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received) and more than
+    ``_DEADLINE_S`` seconds; a progress line every ``_PROGRESS_S`` seconds."""
     opener = urllib.request.build_opener(_NoDowngrade)
     with opener.open(url, timeout=_TIMEOUT_S) as response, _open_new(path) as out:
         announced = int(response.headers.get("Content-Length") or 0)
         if announced > limit:
             raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")
-        _copy_at_most(response, out, limit)
+        of = f" of {announced}" if announced else ""
+        started = shown = time.monotonic()
+        received = 0
+        # read1: whatever has arrived, so that a trickle is noticed; read(n) would wait for all n bytes.
+        while chunk := response.read1(1 << 16):
+            received += len(chunk)
+            if received > limit:
+                raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
+            out.write(chunk)
+            now = time.monotonic()
+            if now - started > _DEADLINE_S:
+                raise DataError(f"too slow: {received} bytes{of} in {_DEADLINE_S:g} s, the most one file may take")
+            if now - shown >= _PROGRESS_S:
+                rate = received / (now - started) / 1000
+                log.info("%s: %d%s bytes from %s (%.1f kB/s)", url.rsplit("/", 1)[-1], received, of, url, rate)
+                shown = now
 
 
 @contextmanager

@@ -460,3 +460,51 @@ def test_files_prepare_writes_follow_the_umask(tmp_path, serve):
         os.umask(previous)
     written = [raw / name for name in NAMES] + [raw.parent / ".fetched.json"]
     assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {path.name: "0o640" for path in written}
+
+
+@pytest.fixture
+def trickle():
+    """trickle(size) -> a loopback URL whose server announces ``size`` bytes and sends one every 50 ms
+    (bounded: at most ``size`` bytes, and it stops when the client hangs up)."""
+    servers = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(self.server.size))
+            self.end_headers()
+            try:
+                for _ in range(self.server.size):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:  # the client gave up: what the test wants
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    def start(size: int) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.size, server.daemon_threads = size, True
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_trickling_mirror_is_given_up_with_progress_shown(tmp_path, trickle, caplog, monkeypatch):
+    monkeypatch.setattr(data, "_DEADLINE_S", 1.5)
+    monkeypatch.setattr(data, "_PROGRESS_S", 0.5)
+    url = trickle(1200)  # a minute at 50 ms a byte: far past the deadline
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path / "root", [url])
+    assert f"tried {url} (too slow: " in str(error.value)
+    assert "bytes of 1200 in 1.5 s, the most one file may take)" in str(error.value)
+    progress = [r.getMessage() for r in caplog.records if "train-images-idx3-ubyte.gz: " in r.getMessage()]
+    assert progress and all(" of 1200 bytes from " in line for line in progress), progress
+    assert [p.name for p in (tmp_path / "root" / "MNIST" / "raw").iterdir()] == []
