@@ -106,6 +106,11 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                 f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
                 f"there, or delete both to fetch them again"
             )
+        if not n_images:
+            raise DataError(
+                f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte hold no examples: put the "
+                "full files there, or delete both to fetch them again"
+            )
         if n_images != standard:
             log.warning(
                 "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard

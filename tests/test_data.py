@@ -508,3 +508,15 @@ def test_a_trickling_mirror_is_given_up_with_progress_shown(tmp_path, trickle, c
     progress = [r.getMessage() for r in caplog.records if "train-images-idx3-ubyte.gz: " in r.getMessage()]
     assert progress and all(" of 1200 bytes from " in line for line in progress), progress
     assert [p.name for p in (tmp_path / "root" / "MNIST" / "raw").iterdir()] == []
+
+
+@pytest.mark.parametrize("prefix", ["train", "t10k"])
+def test_an_empty_split_is_one_line(tmp_path, prefix):
+    files = {**idx_set(), f"{prefix}-images-idx3-ubyte": images_idx(0), f"{prefix}-labels-idx1-ubyte": labels_idx(0)}
+    raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path, mirrors=[])
+    assert str(error.value) == (
+        f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte hold no examples: put the full "
+        "files there, or delete both to fetch them again"
+    )
