@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist.metrics import read_scalars, tb_dir
-from mnist_dist.parallel import spawn
+from mnist_dist.parallel import init_process_group, spawn
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
@@ -41,7 +41,7 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    dist.init_process_group("gloo")  # spawn set the rendezvous address, rank and world size
+    init_process_group("gloo")  # spawn set the address, rank, world size and the job's store prefix
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result_{rank}.pt"))
         dist.barrier()
@@ -49,10 +49,12 @@ def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
-    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes; returns
-    what each returned, by rank."""
-    spawn(_entry, world_size, fn, str(workdir), args, start_method="forkserver")  # one torch import per session
+def run_ranks(fn, world_size: int, workdir: Path, *args, port: int = 0) -> list:
+    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes (their store
+    on ``port``, 0: a free one); returns what each returned, by rank."""
+    spawn(
+        _entry, world_size, fn, str(workdir), args, port=port, start_method="forkserver"
+    )  # one torch import per session
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
