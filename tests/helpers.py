@@ -1,5 +1,5 @@
 """What several test modules share: configs on tiny data, TensorBoard scalars, ranks in fresh processes,
-the machine fields.
+the machine fields, srun's tasks played locally.
 
 Tests import these from here (``from helpers import ...``), never from each other or from conftest.
 """
@@ -7,6 +7,9 @@ Tests import these from here (``from helpers import ...``), never from each othe
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -97,3 +100,18 @@ def assert_machine_fields(info: dict) -> None:
     assert isinstance(info["cpu_flags"], list)
     if info["gpus"]:
         assert info["gpu"] and info["cuda"] and info["driver"]
+
+
+def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = []
+    for rank in range(2):
+        slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
+        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0}
+        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
+        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
+        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
+    return [task.wait(timeout=300) for task in tasks]
