@@ -12,8 +12,8 @@ from mnist_dist.model import ConvNet
 
 class FailingConvNet(ConvNet):
     """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
-    by SIGKILL, with ``nan`` return NaN, or with ``usr1`` send itself SIGUSR1 (as SLURM warns) and go
-    on. ``step_seconds`` slows every step down; ``pid_dir``
+    by SIGKILL, with ``nan`` return NaN, with ``usr1`` send itself SIGUSR1 (as SLURM warns) and go
+    on, or with ``stop`` stop itself (SIGSTOP: a rank that hangs). ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
     restarted job goes on."""
@@ -25,6 +25,7 @@ class FailingConvNet(ConvNet):
         kill: bool = False,
         nan: bool = False,
         usr1: bool = False,
+        stop: bool = False,
         step_seconds: float = 0.0,
         pid_dir: str = "",
         attempt: int = -1,
@@ -32,6 +33,7 @@ class FailingConvNet(ConvNet):
     ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step, self.kill, self.nan, self.usr1 = fail_rank, fail_step, kill, nan, usr1
+        self.stop = stop
         self.step_seconds, self.calls = step_seconds, 0
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0))
         if attempt >= 0 and int(restarts) != attempt:
@@ -48,6 +50,8 @@ class FailingConvNet(ConvNet):
         if rank == self.fail_rank and self.calls == self.fail_step:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
             if self.usr1:
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return super().forward(x)

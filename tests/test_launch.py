@@ -109,11 +109,11 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
     assert_complete_run(tmp_path / "restarted", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["restarted"]  # rank 1 made no directory of its own
-    # srun: SIGUSR1 to rank 1 alone; both ranks stop after step 16 (the next check), with a checkpoint.
+    # srun: SIGUSR1 to rank 1 alone in step 13; both ranks stop after step 14 (its vote is read then).
     requeued = tmp_path / "requeued"
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
     state = checkpoint.load(requeued / "checkpoint.pt")
-    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 16, 16)
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 14, 14)
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
     weights = [torch.load(run / "model.pt") for run in (uninterrupted.run_dir, tmp_path / "restarted", requeued)]
     for other in weights[1:]:

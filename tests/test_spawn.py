@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks
 
+from mnist_dist.launch import launch
 from mnist_dist.parallel import WorkerFailed, heartbeat, init_process_group, spawn
 
 
@@ -161,3 +162,20 @@ def test_a_killed_forkserver_is_named_and_leaves_no_worker(tmp_path):
         "the forkserver process that starts the workers was killed by SIGKILL (the OOM killer?), and rank "
     ), str(error.value)
     assert_all_gone(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_a_training_rank_that_stops_responding_is_named_with_its_step(make_config, tmp_path):
+    pids, run = tmp_path / "pids", tmp_path / "run"  # Hydra would have created the run directory
+    pids.mkdir(), run.mkdir()
+    settings = ["mode=ddp", "gpus=2", "device=cpu", "batch_size=32", "epochs=1", "dist.timeout_s=5"]
+    settings += ["model._target_=failing_model.FailingConvNet", "+model.stop=true", f"+model.pid_dir={pids}"]
+    with pytest.raises(WorkerFailed) as error:
+        launch(make_config(*settings), run)
+    message = str(error.value)  # rank 1 stops itself in step 3's forward; rank 0 waits in its all-reduce
+    assert message.startswith(
+        "rank 1 stopped responding (last seen: training after step 2; its process is stopped, e.g. by SIGSTOP); "
+        "rank 0 timed out waiting for it: "
+    ), message
+    assert message.endswith(f"(log: {tmp_path}/run/rank_1.log)") and "\n" not in message
+    assert_all_gone(pids, 2)
