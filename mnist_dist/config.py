@@ -116,11 +116,20 @@ class Config:
     resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
+_MAX_SEED = 2**32 - 1  # what numpy and most tools accept too
+
+
 def validate(cfg: Config) -> None:
     """Checks the composed config makes sense before any process starts or any file is written."""
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    if not 0 <= cfg.seed <= _MAX_SEED:
+        # torch.manual_seed takes 64 bits, and each epoch's order is seeded with seed * 100003 + epoch
+        raise ConfigError(
+            f"seed={cfg.seed} must be from 0 to {_MAX_SEED}: the data order and every rank's random state are "
+            "seeded from it within torch's 64 bits"
+        )
     if not 0 <= cfg.target_accuracy <= 1:
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
     if cfg.eval_every_steps < 0:

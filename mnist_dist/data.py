@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import struct
+import time
 import urllib.request
 import zlib
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,10 @@ _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: 
 _SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
 _FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
 _TIMEOUT_S = 60  # per network read
+# A whole download: a mirror that trickles is given up for the next one. MNIST's largest .gz is 9.9 MB,
+# so this asks for 17 kB/s on average.
+_DEADLINE_S = 600
+_PROGRESS_S = 5  # seconds between the progress lines of a download
 # What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
 # stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
 _SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
@@ -101,6 +106,11 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                 f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
                 f"there, or delete both to fetch them again"
             )
+        if not n_images:
+            raise DataError(
+                f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte hold no examples: put the "
+                "full files there, or delete both to fetch them again"
+            )
         if n_images != standard:
             log.warning(
                 "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard
@@ -173,7 +183,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
             checked_md5 = md5 if source.rstrip("/") in official else None
             with _fetch(source, gz_name, checked_md5, raw) as src, _atomic(dest) as tmp:
                 opener = gzip.open if src.suffix == ".gz" else open
-                with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+                with opener(src, "rb") as fin, _open_new(tmp) as fout:
                     _copy_at_most(fin, fout, _largest_valid(gz_name))
                 count = _check_idx(tmp, images)
             _record_fetched(dest)
@@ -211,21 +221,37 @@ def _copy_at_most(fin, fout, limit: int) -> None:
         fout.write(chunk)
 
 
+def _open_new(path: Path):
+    """``path`` created for writing, with the user's umask, after removing what a killed prepare left there.
+
+    The root may be shared: O_EXCL refuses to follow a link that another user plants at the name (or an
+    existing file), so nothing outside the folder is ever written through it."""
+    path.unlink(missing_ok=True)  # a link itself, never its target
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
+def _fetched_record(root: Path) -> dict:
+    """What prepare wrote under ``root`` (a link planted in place of the record counts as no record)."""
+    try:
+        with os.fdopen(os.open(root / _FETCHED, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            fetched = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return fetched if isinstance(fetched, dict) else {}
+
+
 def _fetched_here(dest: Path) -> bool:
     try:
-        return json.loads((dest.parent.parent / _FETCHED).read_text()).get(dest.name) == dest.stat().st_ino
-    except (OSError, ValueError):
+        return _fetched_record(dest.parent.parent).get(dest.name) == dest.stat().st_ino
+    except OSError:
         return False
 
 
 def _record_fetched(dest: Path) -> None:
-    record = dest.parent.parent / _FETCHED
-    try:
-        fetched = json.loads(record.read_text())
-    except (OSError, ValueError):
-        fetched = {}
-    fetched[dest.name] = dest.stat().st_ino
-    record.write_text(json.dumps(fetched))
+    fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
+    with _atomic(dest.parent.parent / _FETCHED) as tmp, _open_new(tmp) as out:
+        out.write(json.dumps(fetched).encode())
 
 
 @contextmanager
@@ -264,13 +290,29 @@ class _NoDowngrade(urllib.request.HTTPRedirectHandler):
 
 
 def _download(url: str, path: Path, limit: int) -> None:
-    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received)."""
+    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received) and more than
+    ``_DEADLINE_S`` seconds; a progress line every ``_PROGRESS_S`` seconds."""
     opener = urllib.request.build_opener(_NoDowngrade)
-    with opener.open(url, timeout=_TIMEOUT_S) as response, open(path, "wb") as out:
+    with opener.open(url, timeout=_TIMEOUT_S) as response, _open_new(path) as out:
         announced = int(response.headers.get("Content-Length") or 0)
         if announced > limit:
             raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")
-        _copy_at_most(response, out, limit)
+        of = f" of {announced}" if announced else ""
+        started = shown = time.monotonic()
+        received = 0
+        # read1: whatever has arrived, so that a trickle is noticed; read(n) would wait for all n bytes.
+        while chunk := response.read1(1 << 16):
+            received += len(chunk)
+            if received > limit:
+                raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
+            out.write(chunk)
+            now = time.monotonic()
+            if now - started > _DEADLINE_S:
+                raise DataError(f"too slow: {received} bytes{of} in {_DEADLINE_S:g} s, the most one file may take")
+            if now - shown >= _PROGRESS_S:
+                rate = received / (now - started) / 1000
+                log.info("%s: %d%s bytes from %s (%.1f kB/s)", url.rsplit("/", 1)[-1], received, of, url, rate)
+                shown = now
 
 
 @contextmanager

@@ -1,22 +1,39 @@
 """Stopping on a scheduler's warning: write a checkpoint and exit, so that the requeued job goes on.
 
 SLURM sends SIGUSR1 before the time limit when asked (``#SBATCH --signal=USR1@90``, as submitit does)
-and SIGTERM when it cancels or preempts a job. Under srun the handler only notes the signal; the
-worker asks every ``log_every`` steps whether any rank got one (a collective, so every rank stops
-after the same step, even if the signal reached only some), saves, and exits with ``REQUEUE``.
+and SIGTERM when it cancels or preempts a job. Under srun (``install``):
+
+- Before the first step (rendezvous, data preparation, building) there is nothing new to save: the
+  signal stops the job at once, exit ``REQUEUE``. A Python handler cannot run while the main thread
+  waits inside torch's C++ (a rendezvous waits up to ``dist.timeout_s``), so a thread that sees the
+  signal too ends the process itself if the handler has not run within ``_GRACE_S``.
+- From the first step on the handler only notes the signal, and after every step each rank votes on
+  whether any rank got one (a collective, so every rank stops after the same step, even if the signal
+  reached only some). A step's vote is read after the next step, so no step waits for it: the job stops
+  one or two steps after the signal, with a checkpoint. A signal during evaluation is acted on at the
+  step that follows it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
+import torch
 import torch.distributed as dist
 
-from mnist_dist.metrics import all_reduce
+from mnist_dist.parallel import heartbeat
 
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
+_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_GRACE_S = 5.0  # for the handler to stop the job before the watching thread does
 _received: list[str] = []
 _installed: list[bool] = []
+_training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
+_votes: list = []  # the last step's vote: (its all-reduce, its tensor)
+_group: list = []  # the process group the votes go through (gloo: no device sync for one number)
 
 
 class Stopped(BaseException):  # noqa: N818 (like KeyboardInterrupt: not an error, so not an Exception)
@@ -24,16 +41,64 @@ class Stopped(BaseException):  # noqa: N818 (like KeyboardInterrupt: not an erro
 
 
 def install() -> None:
-    """From now on SIGUSR1 and SIGTERM stop the run at its next check instead of killing it."""
-    for signum in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(signum, lambda received, frame: _received.append(signal.Signals(received).name))
+    """From now on SIGUSR1 and SIGTERM stop the run: at once before the first step, else after a vote."""
+    handled: list[bool] = []  # the handler raised Stopped: the main thread is on its way out
+
+    def on_signal(signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        _received.append(name)
+        if not _training:
+            handled.append(True)
+            raise Stopped(_before_training(name))
+
+    for signum in _SIGNALS:
+        signal.signal(signum, on_signal)
+    _watch_start_up(handled)
     _installed.append(True)
 
 
-def requested(step: int, every: int) -> str | None:
-    """The signal that asks to stop, if any rank got one: checked at every ``every``-th step (a
-    collective: every rank calls with the same ``step``)."""
-    if not _installed or step % every:
+def _before_training(name: str) -> str:
+    return (
+        f"stopped by {name} before the first step: nothing new to save; start the job again (resume=auto "
+        "goes on from the last checkpoint)"
+    )
+
+
+def _watch_start_up(handled: list[bool]) -> None:
+    """Ends the process with REQUEUE if a signal before the first step finds the main thread inside C++."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # the interpreter writes each signal's number
+
+    def watch() -> None:
+        while received := os.read(read_end, 64):
+            if _training or not {signal.Signals(n) for n in received} & set(_SIGNALS):
+                continue
+            time.sleep(_GRACE_S)
+            if not handled:
+                os.write(2, f"{_before_training(signal.Signals(received[-1]).name)}\n".encode())
+                os._exit(REQUEUE)
+
+    threading.Thread(target=watch, name="preemption_watch", daemon=True).start()
+
+
+def requested(step: int) -> str | None:
+    """Called on every rank after each step (a collective when installed): the signal that asks to stop,
+    if any rank got one by the step before. Also this rank's heartbeat, for the launcher to say where a
+    rank that stops responding was."""
+    heartbeat("training", step)
+    if not _installed:
         return None
-    (anyone,) = all_reduce([float(bool(_received))], op=dist.ReduceOp.MAX)
-    return (_received or ["a signal to another rank"])[0] if anyone else None
+    if not _group:
+        # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
+        _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    if not _training:
+        _training.append(True)
+    vote = torch.tensor([float(bool(_received))])
+    work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
+    previous, _votes[:] = _votes[:], [(work, vote)]
+    if not previous:
+        return None
+    ((work, tally),) = previous
+    work.wait()
+    return (_received or ["a signal to another rank"])[0] if tally.item() else None

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mnist_dist.metrics import all_reduce
+from mnist_dist.parallel import heartbeat
 from mnist_dist.precision import Precision
 from mnist_dist.sharding import eval_shard
 
@@ -70,6 +71,7 @@ def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
 ) -> tuple[float, float]:
     """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
+    heartbeat("evaluation")  # a launcher that names a rank stuck here says so
     model.eval()
     share = eval_shard(len(x), rank, world_size)
     loss_sum, correct = 0.0, 0
@@ -82,6 +84,7 @@ def evaluate(
         loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
     loss_sum, correct = all_reduce([loss_sum, correct])
+    heartbeat("training")
     return loss_sum / len(x), correct / len(x)
 
 

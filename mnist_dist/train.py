@@ -234,7 +234,7 @@ def between_steps(run: Run, epoch: int, position: int) -> None:
     if run.profiler:
         run.profiler.step()
     every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
-    stop = preemption.requested(run.step, run.cfg.log_every)
+    stop = preemption.requested(run.step)
     if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
         save_checkpoint(run, epoch - 1, position)
     if stop:

@@ -13,8 +13,9 @@ from mnist_dist.model import ConvNet
 class FailingConvNet(ConvNet):
     """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
     by SIGKILL, with ``nan`` return NaN, with ``nan_grad`` return a finite output whose gradient is NaN
-    (the loss stays finite, the step's update poisons the weights), or with ``usr1`` send itself SIGUSR1
-    (as SLURM warns) and go on. ``step_seconds`` slows every step down; ``pid_dir``
+    (the loss stays finite, the step's update poisons the weights), with ``usr1`` send itself SIGUSR1
+    (as SLURM warns) and go on, or with ``stop`` stop itself (SIGSTOP: a rank that hangs).
+    ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
     restarted job goes on. The environment variable ``KILL_AGENT_AT_STEP``, set for one torchrun agent's
@@ -28,6 +29,7 @@ class FailingConvNet(ConvNet):
         nan: bool = False,
         nan_grad: bool = False,
         usr1: bool = False,
+        stop: bool = False,
         step_seconds: float = 0.0,
         pid_dir: str = "",
         attempt: int = -1,
@@ -35,7 +37,8 @@ class FailingConvNet(ConvNet):
     ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step, self.kill, self.nan, self.usr1 = fail_rank, fail_step, kill, nan, usr1
-        self.nan_grad, self.step_seconds, self.calls = nan_grad, step_seconds, 0
+        self.nan_grad, self.stop = nan_grad, stop
+        self.step_seconds, self.calls = step_seconds, 0
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0))
         if attempt >= 0 and int(restarts) != attempt:
             self.fail_rank = -1
@@ -54,6 +57,8 @@ class FailingConvNet(ConvNet):
         if rank == self.fail_rank and self.calls == self.fail_step:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
             if self.usr1:
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return super().forward(x)

@@ -1,5 +1,5 @@
 """What several test modules share: configs on tiny data, TensorBoard scalars, ranks in fresh processes,
-the machine fields.
+the machine fields, srun's tasks played locally.
 
 Tests import these from here (``from helpers import ...``), never from each other or from conftest.
 """
@@ -7,6 +7,9 @@ Tests import these from here (``from helpers import ...``), never from each othe
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist.metrics import read_scalars, tb_dir
-from mnist_dist.parallel import spawn
+from mnist_dist.parallel import init_process_group, spawn
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
@@ -42,9 +45,9 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    # spawn set the rendezvous address, rank and world size; a collective that a bug leaves waiting fails
-    # within minutes instead of torch's default half hour
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    # spawn set the address, rank, world size and the job's store prefix; a collective that a bug leaves
+    # waiting fails within minutes instead of torch's default half hour
+    init_process_group("gloo", timeout=timedelta(seconds=180))
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result_{rank}.pt"))
         dist.barrier()
@@ -52,10 +55,12 @@ def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
-    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes; returns
-    what each returned, by rank."""
-    spawn(_entry, world_size, fn, str(workdir), args, start_method="forkserver")  # one torch import per session
+def run_ranks(fn, world_size: int, workdir: Path, *args, port: int = 0) -> list:
+    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes (their store
+    on ``port``, 0: a free one); returns what each returned, by rank."""
+    spawn(
+        _entry, world_size, fn, str(workdir), args, port=port, start_method="forkserver"
+    )  # one torch import per session
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -98,3 +103,18 @@ def assert_machine_fields(info: dict) -> None:
     assert isinstance(info["cpu_flags"], list)
     if info["gpus"]:
         assert info["gpu"] and info["cuda"] and info["driver"]
+
+
+def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = []
+    for rank in range(2):
+        slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
+        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0}
+        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
+        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
+        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
+    return [task.wait(timeout=300) for task in tasks]

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import http.server
 import logging
+import os
 import socket
 import struct
 import subprocess
@@ -409,4 +410,113 @@ def test_offline_mnist_names_the_fashion_mnist_package_route(tmp_path):
     assert str(error.value).endswith(
         "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
         "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
+    )
+
+
+# --- a shared root (issue 27): planted links, the umask, slow mirrors, an empty split ---------
+
+
+def plant(link: Path, victim: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    victim.write_bytes(b"another user's file")
+    link.symlink_to(victim)
+
+
+@pytest.mark.parametrize("planted", [".train-images-idx3-ubyte.part", ".t10k-labels-idx1-ubyte.part"])
+def test_a_link_planted_at_a_temp_name_is_not_followed(tmp_path, planted):
+    files = idx_set()
+    raw, victim = tmp_path / "root" / "MNIST" / "raw", tmp_path / "victim"
+    plant(raw / planted, victim)
+    data.prepare("mnist", tmp_path / "root", [str(write_set(tmp_path / "mirror", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert not any((raw / name).is_symlink() for name in NAMES)
+    assert {name: (raw / name).read_bytes() for name in NAMES} == files
+
+
+def test_a_link_planted_at_the_download_name_is_not_followed(tmp_path, serve):
+    files = idx_set()
+    raw, victim = tmp_path / "root" / "MNIST" / "raw", tmp_path / "victim"
+    plant(raw / ".download-train-labels-idx1-ubyte.gz", victim)
+    data.prepare("mnist", tmp_path / "root", [serve(write_set(tmp_path / "site", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert {name: (raw / name).read_bytes() for name in NAMES} == files
+
+
+def test_a_link_planted_at_the_record_is_not_followed(tmp_path):
+    files = idx_set()
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    plant(root / "MNIST" / ".fetched.json", victim)
+    raw = data.prepare("mnist", root, [str(write_set(tmp_path / "mirror", files))])
+    assert victim.read_bytes() == b"another user's file"
+    assert not (root / "MNIST" / ".fetched.json").is_symlink()
+    assert data._fetched_here(raw / "train-images-idx3-ubyte")  # the record is prepare's own again
+
+
+def test_files_prepare_writes_follow_the_umask(tmp_path, serve):
+    previous = os.umask(0o027)
+    try:
+        raw = data.prepare("mnist", tmp_path / "root", [serve(write_set(tmp_path / "site", idx_set()))])
+    finally:
+        os.umask(previous)
+    written = [raw / name for name in NAMES] + [raw.parent / ".fetched.json"]
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {path.name: "0o640" for path in written}
+
+
+@pytest.fixture
+def trickle():
+    """trickle(size) -> a loopback URL whose server announces ``size`` bytes and sends one every 50 ms
+    (bounded: at most ``size`` bytes, and it stops when the client hangs up)."""
+    servers = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(self.server.size))
+            self.end_headers()
+            try:
+                for _ in range(self.server.size):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:  # the client gave up: what the test wants
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    def start(size: int) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.size, server.daemon_threads = size, True
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_trickling_mirror_is_given_up_with_progress_shown(tmp_path, trickle, caplog, monkeypatch):
+    monkeypatch.setattr(data, "_DEADLINE_S", 1.5)
+    monkeypatch.setattr(data, "_PROGRESS_S", 0.5)
+    url = trickle(1200)  # a minute at 50 ms a byte: far past the deadline
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path / "root", [url])
+    assert f"tried {url} (too slow: " in str(error.value)
+    assert "bytes of 1200 in 1.5 s, the most one file may take)" in str(error.value)
+    progress = [r.getMessage() for r in caplog.records if "train-images-idx3-ubyte.gz: " in r.getMessage()]
+    assert progress and all(" of 1200 bytes from " in line for line in progress), progress
+    assert [p.name for p in (tmp_path / "root" / "MNIST" / "raw").iterdir()] == []
+
+
+@pytest.mark.parametrize("prefix", ["train", "t10k"])
+def test_an_empty_split_is_one_line(tmp_path, prefix):
+    files = {**idx_set(), f"{prefix}-images-idx3-ubyte": images_idx(0), f"{prefix}-labels-idx1-ubyte": labels_idx(0)}
+    raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path, mirrors=[])
+    assert str(error.value) == (
+        f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte hold no examples: put the full "
+        "files there, or delete both to fetch them again"
     )

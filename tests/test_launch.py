@@ -1,8 +1,6 @@
 """The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import scalars
+from helpers import scalars, srun
 
 from mnist_dist import checkpoint
 from mnist_dist.metrics import tb_dir
@@ -45,20 +43,6 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     assert ranks_logged == {f"rank_{rank}" for rank in range(ranks)}
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()
     return results
-
-
-def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
-    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    tasks = []
-    for rank in range(2):
-        slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
-        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
-        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
-        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
-    return [task.wait(timeout=300) for task in tasks]
 
 
 def interrupted(tiny_root) -> list[str]:
@@ -125,11 +109,11 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
     assert_complete_run(tmp_path / "restarted", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["restarted"]  # rank 1 made no directory of its own
-    # srun: SIGUSR1 to rank 1 alone; both ranks stop after step 16 (the next check), with a checkpoint.
+    # srun: SIGUSR1 to rank 1 alone in step 13; both ranks stop after step 14 (its vote is read then).
     requeued = tmp_path / "requeued"
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
     state = checkpoint.load(requeued / "checkpoint.pt")
-    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 16, 16)
+    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 14, 14)
     assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
     weights = [torch.load(run / "model.pt") for run in (uninterrupted.run_dir, tmp_path / "restarted", requeued)]
     for other in weights[1:]:

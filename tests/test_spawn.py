@@ -1,11 +1,24 @@
-"""mnist_dist.parallel.spawn's forkserver: workers start with torch imported, yet see the caller as it is."""
+"""mnist_dist.parallel.spawn: forkserver workers start with torch imported yet see the caller as it is; the
+job's store is its own; a rank that stops responding, or a killed forkserver, is named."""
 
 import json
+import multiprocessing.forkserver
 import os
+import signal
+import socket
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
-from mnist_dist.parallel import spawn
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_ranks
+
+from mnist_dist.launch import launch
+from mnist_dist.parallel import WorkerFailed, heartbeat, init_process_group, spawn
 
 
 def _report(rank: int, world_size: int, out: str) -> None:
@@ -36,3 +49,133 @@ def test_forkserver_workers_start_with_torch_imported_and_see_the_callers_enviro
     assert [r["probe"] for r in reports(second)] == ["second"] * 2
     assert [r["cwd"] for r in reports(second)] == [str(second)] * 2
     assert [r["rank"] for r in reports(second)] == ["0", "1"]
+
+
+# --- issue 27: a foreign client of the store, a rank that stops responding, a killed forkserver ------
+
+# Where ranks that meet through env:// publish their gloo addresses in the store (torch 2.14).
+ADDRESS = "default_pg/0//cpu//0/{rank}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _sum_of_ranks(rank: int, world_size: int) -> float:
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _foreign_client(port: int, seen: dict, done: threading.Event) -> None:
+    """Another local user: connects as soon as the store listens, plants rank 1's address, reads rank 0's."""
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+            break
+        except Exception:  # not listening yet
+            time.sleep(0.05)
+    else:
+        return
+    client.set(ADDRESS.format(rank=1), "127.0.0.1:1")
+    seen["planted"] = True
+    while not done.is_set() and time.monotonic() < deadline:
+        if client.check([ADDRESS.format(rank=0)]):
+            seen["read"] = client.get(ADDRESS.format(rank=0))
+            return
+        time.sleep(0.01)
+
+
+def test_a_foreign_client_of_the_store_can_neither_read_nor_break_the_job(tmp_path):
+    port, seen, done = _free_port(), {}, threading.Event()
+    foreign = threading.Thread(target=_foreign_client, args=(port, seen, done), daemon=True)
+    foreign.start()
+    try:
+        assert run_ranks(_sum_of_ranks, 2, tmp_path, port=port) == [1.0, 1.0]  # the job trains
+    finally:
+        done.set()
+        foreign.join()
+    assert seen.get("planted"), "the foreign client never got in: the test proves nothing"
+    assert "read" not in seen, f"a foreign client read rank 0's address: {seen['read']!r}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_gone(pid_dir: Path, count: int) -> None:
+    pids = [int(p.name) for p in pid_dir.iterdir()]
+    assert len(pids) == count
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def _stops_responding(rank: int, world_size: int, pid_dir: str) -> None:
+    Path(pid_dir, str(os.getpid())).touch()
+    init_process_group("gloo", timeout=timedelta(seconds=5))
+    for step in range(1, 1000):
+        if rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_reduce(torch.ones(1))
+        heartbeat("training", step)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_responding_is_named_with_where_it_was(tmp_path):
+    with pytest.raises(WorkerFailed) as error:
+        spawn(_stops_responding, 2, str(tmp_path), start_method="forkserver")
+    assert str(error.value).startswith(
+        "rank 1 stopped responding (last seen: training after step 4; its process is stopped, e.g. by SIGSTOP); "
+        "rank 0 timed out waiting for it: "
+    ), str(error.value)
+    assert_all_gone(tmp_path, 2)
+
+
+def _sleeps(rank: int, world_size: int, pid_dir: str) -> None:
+    Path(pid_dir, str(os.getpid())).touch()
+    time.sleep(120)
+
+
+def _kill_the_forkserver_once_started(pid_dir: Path) -> None:
+    deadline = time.monotonic() + 120
+    while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_forkserver_is_named_and_leaves_no_worker(tmp_path):
+    killer = threading.Thread(target=_kill_the_forkserver_once_started, args=(tmp_path,), daemon=True)
+    killer.start()
+    with pytest.raises(WorkerFailed) as error:
+        spawn(_sleeps, 2, str(tmp_path), start_method="forkserver")
+    killer.join()
+    assert str(error.value).startswith(
+        "the forkserver process that starts the workers was killed by SIGKILL (the OOM killer?), and rank "
+    ), str(error.value)
+    assert_all_gone(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_a_training_rank_that_stops_responding_is_named_with_its_step(make_config, tmp_path):
+    pids, run = tmp_path / "pids", tmp_path / "run"  # Hydra would have created the run directory
+    pids.mkdir(), run.mkdir()
+    settings = ["mode=ddp", "gpus=2", "device=cpu", "batch_size=32", "epochs=1", "dist.timeout_s=5"]
+    settings += ["model._target_=failing_model.FailingConvNet", "+model.stop=true", f"+model.pid_dir={pids}"]
+    with pytest.raises(WorkerFailed) as error:
+        launch(make_config(*settings), run)
+    message = str(error.value)  # rank 1 stops itself in step 3's forward; rank 0 waits in its all-reduce
+    assert message.startswith(
+        "rank 1 stopped responding (last seen: training after step 2; its process is stopped, e.g. by SIGSTOP); "
+        "rank 0 timed out waiting for it: "
+    ), message
+    assert message.endswith(f"(log: {tmp_path}/run/rank_1.log)") and "\n" not in message
+    assert_all_gone(pids, 2)

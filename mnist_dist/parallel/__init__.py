@@ -1,10 +1,10 @@
 """Data parallelism for any ``nn.Module``, usable from your own script with nothing of MNIST or of this
 app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py)::
 
-    from mnist_dist.parallel import DistributedDataParallel, spawn
+    from mnist_dist.parallel import DistributedDataParallel, init_process_group, spawn
 
     def worker(rank: int, world_size: int) -> None:
-        dist.init_process_group("gloo")  # spawn set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE
+        init_process_group("gloo")  # spawn set the address, rank, size and the job's secret store prefix
         model = DistributedDataParallel(MyNet())
         ...
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
-from mnist_dist.parallel.spawn import WorkerFailed, spawn
+from mnist_dist.parallel.spawn import WorkerFailed, heartbeat, init_process_group, spawn
 from mnist_dist.parallel.state import plain_state_dict, unwrap
 
 __all__ = [
@@ -35,5 +35,7 @@ __all__ = [
     "unwrap",
     "plain_state_dict",
     "spawn",
+    "init_process_group",
+    "heartbeat",
     "WorkerFailed",
 ]

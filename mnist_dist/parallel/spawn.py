@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import re
+import secrets
 import signal
 import socket
 import sys
@@ -22,6 +25,19 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What every worker of a forkserver job has imported before it starts: torch, and torch._dynamo, which
 # torch.optim imports at the first step. A fresh interpreter pays ~7 s of CPU for the two.
 _PRELOAD = ("torch", "torch._dynamo")
+# The job's secret, in each worker's environment (which only its user can read): its keys in the store
+# live under a prefix made of it, so that another local user's client can neither read nor plant them.
+TOKEN_VARIABLE = "MNIST_DIST_SPAWN_TOKEN"
+_TIMED_OUT = re.compile(r"time[ds]? ?out", re.IGNORECASE)  # gloo: "Timed out waiting", NCCL: "timeout"
+
+
+class _Beat(ctypes.Structure):
+    """Where a worker is, in memory its launcher reads: written by ``heartbeat``, read when the job fails."""
+
+    _fields_ = [("step", ctypes.c_int64), ("phase", ctypes.c_char * 32)]
+
+
+_beat: list[_Beat] = []  # in a worker: its slot
 
 
 class WorkerFailed(RuntimeError):
@@ -39,9 +55,12 @@ def spawn(
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
     Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
-    WORLD_SIZE in its environment, so ``dist.init_process_group(backend)`` needs no arguments. The
-    rendezvous store is served by this process on 127.0.0.1 only, and gloo and NCCL are told to use the
-    loopback interface: nothing of the job listens on an address another machine can reach. ``fn``
+    WORLD_SIZE in its environment, and a random token of the job: ``init_process_group(backend)`` of this
+    module needs no other argument and puts the job's keys under a prefix made of the token, so that no
+    other local user's client of the store can read the ranks' addresses or plant a key that breaks the
+    job (plain ``dist.init_process_group(backend)`` works too, without that protection). The rendezvous
+    store is served by this process on 127.0.0.1 only, and gloo and NCCL are told to use the loopback
+    interface: nothing of the job listens on an address another machine can reach. ``fn``
     and ``args`` must be picklable (``fn`` defined at module level; in a script, call ``spawn`` under
     ``if __name__ == "__main__":``); what ``fn`` returns is ignored.
 
@@ -49,7 +68,9 @@ def spawn(
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
     ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
     ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
-    too, and a parent that dies (SIGKILL, the OOM killer) takes its workers with it.
+    too, and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that stops
+    responding (stopped, or stuck) while another times out waiting for it is the one named, with where its
+    last ``heartbeat`` said it was.
 
     ``start_method="forkserver"`` forks the workers from one server process that imported torch and
     torch._dynamo (which torch.optim imports at the first step) and ``fn``'s module once: a worker then
@@ -64,21 +85,52 @@ def spawn(
         context.set_forkserver_preload([*_PRELOAD, __name__, fn.__module__])
     # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
     reports, report_ends = zip(*(context.Pipe(duplex=False) for _ in range(world_size)))
+    beats = [context.RawValue(_Beat) for _ in range(world_size)]
+    env = {**os.environ, TOKEN_VARIABLE: secrets.token_hex(16)}
     workers = [
         context.Process(
             target=_worker,
             name=f"rank_{rank}",
-            args=(fn, rank, world_size, store.port, args, log_path is None, report_ends[rank], dict(os.environ)),
+            args=(fn, rank, world_size, store.port, args, log_path is None, report_ends[rank], beats[rank], env),
         )
         for rank in range(world_size)
     ]
     for worker in workers:
         worker.start()
     try:
-        _supervise(workers, reports, log_path)
+        _supervise(workers, reports, beats, log_path, start_method)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
         del store  # closes the listening socket
+
+
+def job_store(timeout: timedelta = timedelta(minutes=5)) -> dist.Store | None:
+    """In a worker of ``spawn``: the job's store, its keys under the job's secret prefix; None elsewhere."""
+    token = os.environ.get(TOKEN_VARIABLE)
+    if not token:
+        return None
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"job_{token}", store)
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """``dist.init_process_group(backend, **kwargs)``, in a worker of ``spawn`` through ``job_store``
+    (elsewhere, under torchrun say, exactly the plain call)."""
+    store = job_store(kwargs.get("timeout") or timedelta(minutes=5))
+    if store is None:
+        dist.init_process_group(backend, **kwargs)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+
+
+def heartbeat(phase: str, step: int | None = None) -> None:
+    """Says where this worker is (``phase``: "training", "evaluation", ...; ``step``: the last finished,
+    None: unchanged), for ``spawn`` to say if it stops responding. Two memory writes; a no-op outside spawn."""
+    if _beat:
+        if step is not None:
+            _beat[0].step = step
+        _beat[0].phase = phase.encode()[:31]
 
 
 def die_with_parent() -> None:
@@ -120,9 +172,11 @@ def _worker(
     args: tuple,
     print_traceback: bool,
     report,
+    beat: _Beat,
     environment: dict[str, str],
 ) -> None:
     _exit_with_launcher()
+    _beat.append(beat)
     os.environ.clear()  # a forkserver's worker would otherwise have the server's, from when it started
     os.environ.update(environment)
     os.environ.update(
@@ -145,28 +199,88 @@ def _worker(
         sys.exit(1)
 
 
-def _supervise(workers: list, reports: tuple, log_path: str | None) -> None:
+def _supervise(workers: list, reports: tuple, beats: list, log_path: str | None, start_method: str) -> None:
     """Waits for every worker; when one fails, raises WorkerFailed naming the rank at the root of it.
 
     When one rank fails its peers fail too, a moment later, in their next collective ("connection
     closed by peer"), and report that. So: a rank that died without reporting (a signal, the OOM
     killer) is the cause, since a peer's failure makes a rank raise, not vanish; otherwise the
-    earliest report, by the time stamp each rank took as it failed.
+    earliest report, by the time stamp each rank took as it failed; but if that report is a timeout, a
+    rank still running that it waited for is the cause (the earliest in its heartbeat, a stopped one
+    first). Workers that all vanish with their forkserver are the server's failure, not a rank's.
     """
     running = list(workers)
     while running:
         wait([worker.sentinel for worker in running])
         running = [worker for worker in running if worker.exitcode is None]
         failed = [rank for rank, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
-        if failed:
-            reported = sorted(report.recv() for report in reports if report.poll())
-            silent = [rank for rank in failed if rank not in {r for _, r, _ in reported}]
-            if silent:
-                rank, reason = silent[0], _exit_reason(workers[silent[0]].exitcode)
-            else:
-                _, rank, reason = reported[0]
-            where = f" (log: {log_path.format(rank=rank)})" if log_path is not None else ""
-            raise WorkerFailed(f"rank {rank} failed: {reason}{where}")
+        if not failed:
+            continue
+        reported = sorted(report.recv() for report in reports if report.poll())
+        silent = [rank for rank in failed if rank not in {r for _, r, _ in reported}]
+        log = (lambda rank: f" (log: {log_path.format(rank=rank)})") if log_path is not None else (lambda rank: "")
+        # multiprocessing says 255 for a forkserver worker whose server closed its status pipe, i.e. died.
+        server = _dead_forkserver() if start_method == "forkserver" and workers[failed[0]].exitcode == 255 else None
+        if server:
+            raise WorkerFailed(
+                f"the forkserver process that starts the workers was {server} (the OOM killer?), and rank "
+                f"{silent[0]} with it: run the job again (a new server starts); with fewer workers if memory is short"
+            )
+        if silent:
+            rank = silent[0]
+            raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{log(rank)}")
+        _, rank, reason = reported[0]
+        stuck = _unresponsive(workers, beats) if _TIMED_OUT.search(reason) else None
+        if stuck is not None:
+            where, stopped = _last_seen(beats[stuck]), _stopped(workers[stuck].pid)
+            state = "; its process is stopped, e.g. by SIGSTOP" if stopped else ""
+            raise WorkerFailed(
+                f"rank {stuck} stopped responding (last seen: {where}{state}); rank {rank} timed out waiting for "
+                f"it: {reason}{log(stuck)}"
+            )
+        raise WorkerFailed(f"rank {rank} failed: {reason}{log(rank)}")
+
+
+def _unresponsive(workers: list, beats: list) -> int | None:
+    """Of the ranks still running, the one a timed-out peer waited for: a stopped one, else the one whose
+    heartbeat is furthest behind."""
+    alive = [rank for rank, worker in enumerate(workers) if worker.exitcode is None]
+    return min(alive, key=lambda rank: (not _stopped(workers[rank].pid), beats[rank].step), default=None)
+
+
+def _last_seen(beat: _Beat) -> str:
+    phase = beat.phase.decode(errors="replace") or "no heartbeat"
+    return f"{phase} after step {beat.step}" if beat.step else phase
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): its state in /proc (Linux; else False)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _dead_forkserver() -> str | None:
+    """How the forkserver died if it did ("killed by SIGKILL"), else None. Its status is only peeked at
+    (WNOWAIT): multiprocessing reaps it, and starts a new one at the next spawn."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)  # no public way to ask
+    if pid is None:
+        return None
+    # A dying process closes its files before its parent can wait for it: give it a moment to finish dying.
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        if info is not None:
+            break
+        if time.monotonic() > deadline:
+            return None  # alive: a worker did exit with 255
+        time.sleep(0.01)
+    killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+    return _exit_reason(-info.si_status if killed else info.si_status)
 
 
 def _exit_reason(exitcode: int) -> str:
@@ -183,8 +297,11 @@ def _stop(workers: list, grace_s: float = 5.0) -> None:
     for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
-            worker.kill()
+            worker.kill()  # SIGTERM waits while a process is stopped; SIGKILL does not
             worker.join()
+        # Closes this end of the worker's pipe to the launcher: a worker that outlived a killed forkserver
+        # (which reported it gone) sees it close and kills itself (_exit_with_launcher).
+        worker.close()
 
 
 def _loopback_store(port: int) -> dist.TCPStore:

@@ -39,6 +39,7 @@ from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.metrics import read_scalars
 from mnist_dist.modes import world_size
+from mnist_dist.step import TrainingDiverged
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -57,7 +58,13 @@ SPREAD_WARNING = 0.10
 
 def loss_curve(run_dir: Path) -> dict[int, float]:
     """Rank 0's global training loss by optimizer step."""
-    return read_scalars(run_dir)["train/loss_global"]
+    curve = read_scalars(run_dir).get("train/loss_global")
+    if not curve:
+        raise ConfigError(
+            f"{run_dir} logged no training loss: its run took fewer steps than log_every; pass a smaller "
+            "log_every= or more epochs="
+        )
+    return curve
 
 
 def compare(
@@ -198,7 +205,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error)}")
-    except (ConfigError, DataError, WorkerFailed) as error:
+    except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
         sys.exit(f"error: {error}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
     report["machine"] = machine.describe()

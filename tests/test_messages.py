@@ -1,0 +1,51 @@
+"""Messages that were unclear (issue 27): each is one line now, saying what to do. The others of that list
+are beside the code they test: an empty split in test_data, leftover torchrun variables in test_slurm, a
+killed forkserver in test_spawn."""
+
+import pytest
+
+from mnist_dist.config import ConfigError, validate
+from mnist_dist.tools import compare
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**32, -1])
+def test_a_seed_out_of_range_is_one_line(make_config, seed):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(f"seed={seed}"))
+    assert str(error.value) == (
+        f"seed={seed} must be from 0 to 4294967295: the data order and every rank's random state are seeded "
+        "from it within torch's 64 bits"
+    )
+
+
+def run_compare(tiny_root, tmp_path, monkeypatch, *overrides: str) -> str:
+    monkeypatch.chdir(tmp_path)
+    argv = ["modes=[single]", "repeats=1", f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", "epochs=1"]
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([*argv, *overrides], load=lambda: 0.0)
+    return exit_.value.code
+
+
+def test_compare_of_a_diverging_run_is_one_line(tiny_root, tmp_path, monkeypatch):
+    message = run_compare(
+        tiny_root,
+        tmp_path,
+        monkeypatch,
+        "log_every=1",
+        "model._target_=failing_model.FailingConvNet",
+        "+model.fail_rank=0",
+        "+model.nan=true",
+    )
+    assert message == (
+        "error: the training loss is nan at step 3 (rank 0); lower optim.lr, check the data, or resume from the "
+        "last checkpoint"
+    )
+
+
+def test_compare_of_a_run_shorter_than_log_every_is_one_line(tiny_root, tmp_path, monkeypatch):
+    message = run_compare(tiny_root, tmp_path, monkeypatch, "log_every=1000")  # 10 steps at batch 64
+    (run_dir,) = (tmp_path / "outputs" / "compare").glob("*/*/single")
+    assert message == (
+        f"error: {run_dir.relative_to(tmp_path)} logged no training loss: its run took fewer steps than "
+        "log_every; pass a smaller log_every= or more epochs="
+    )
