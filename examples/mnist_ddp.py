@@ -15,10 +15,11 @@ on the device as one tensor. Rank 0 prints one line per epoch and saves the plai
 
 Every line that a one-process version would not have, or would write otherwise, ends in
 ``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" examples/mnist_ddp.py`` lists them. Of
-mnist_dist it imports only ``mnist_dist.parallel`` (our ``DistributedDataParallel`` and the ``spawn``
-launcher), itself files to copy. To train with torch's DDP instead, change the one line
+mnist_dist it imports only ``mnist_dist.parallel`` (our ``DistributedDataParallel``, the ``spawn``
+launcher and ``init_process_group``, which under ``spawn`` keeps the job's keys to itself), files to copy.
+To train with torch's DDP instead, change the one line
 
-    model = DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
+    model = parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
 
 into ``model = torch.nn.parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED``: the same
 numbers come out (tests/test_examples.py checks it).
@@ -38,7 +39,7 @@ import torch.distributed as dist  # ADDED FOR DISTRIBUTED
 import torch.nn.functional as F
 from torch import nn
 
-from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, spawn  # ADDED FOR DISTRIBUTED
+from mnist_dist import parallel  # ADDED FOR DISTRIBUTED: our DDP, launcher and process group set-up
 
 NORMALIZE = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}  # mean, std of the training images
 FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
@@ -113,16 +114,16 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")  # ADDED FOR DISTRIBUTED
     if device.type == "cuda":  # ADDED FOR DISTRIBUTED
         torch.cuda.set_device(device)  # ADDED FOR DISTRIBUTED
-        dist.init_process_group("nccl", device_id=device)  # ADDED FOR DISTRIBUTED: address, rank, size from env
+        parallel.init_process_group("nccl", device_id=device)  # ADDED FOR DISTRIBUTED: address, rank, size from env
     else:  # ADDED FOR DISTRIBUTED: the processes on a machine share its cores, rather than each taking all
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # ADDED FOR DISTRIBUTED
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # ADDED FOR DISTRIBUTED
-        dist.init_process_group("gloo")  # ADDED FOR DISTRIBUTED
+        parallel.init_process_group("gloo")  # ADDED FOR DISTRIBUTED: under spawn, in the job's own store
     train_x, train_y = load(args.data, "train", args.dataset, device)
     test_x, test_y = load(args.data, "t10k", args.dataset, device)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     model = ConvNet().to(device)
-    model = DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
+    model = parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
     torch.manual_seed(args.seed + rank)  # ADDED FOR DISTRIBUTED: each rank its own dropout masks
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
@@ -199,6 +200,6 @@ if __name__ == "__main__":  # spawn's ranks import this file without running thi
         worker(int(os.environ["RANK"]), args.nproc, args)  # ADDED FOR DISTRIBUTED
     else:  # ADDED FOR DISTRIBUTED
         try:  # ADDED FOR DISTRIBUTED
-            spawn(worker, args.nproc, args)  # ADDED FOR DISTRIBUTED: sets the same variables, then worker()
-        except WorkerFailed as error:  # ADDED FOR DISTRIBUTED
+            parallel.spawn(worker, args.nproc, args)  # ADDED FOR DISTRIBUTED: sets the same variables, then worker()
+        except parallel.WorkerFailed as error:  # ADDED FOR DISTRIBUTED
             sys.exit(f"error: {error}")  # ADDED FOR DISTRIBUTED

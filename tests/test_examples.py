@@ -16,7 +16,7 @@ from mnist_dist.model import ConvNet
 ROOT = Path(__file__).parent.parent
 MNIST_DDP = ROOT / "examples" / "mnist_ddp.py"
 # The one line that the docstring of examples/mnist_ddp.py says to change for torch's DDP.
-OUR_DDP = "    model = DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED\n"
+OUR_DDP = "    model = parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED\n"
 TORCH_DDP = "    model = torch.nn.parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED\n"
 STEPS = 20  # two epochs of the tiny data (640 images, global batch 64): StepLR lowers the rate once
 EPOCH_LINE = r"epoch (\d+): test loss ([\d.]+), accuracy ([\d.]+) %"
