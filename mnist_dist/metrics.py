@@ -108,6 +108,25 @@ def synchronize(devices: Sequence[torch.device]) -> None:
             torch.cuda.current_stream(device).synchronize()
 
 
+# Both DDPs' own counters of their backward passes: torch DDP's logging data (reducer.cpp), and ours under
+# the same names (mnist_dist/parallel/timing.py), so that the two are read, logged and compared alike.
+DDP_COUNTERS = {
+    "backward_compute": "avg_backward_compute_time",
+    "backward_comm": "avg_backward_comm_time",
+    "backward_overlap": "avg_backward_compute_comm_overlap_time",
+}
+
+
+def ddp_counters_ms(model: torch.nn.Module) -> dict[str, float]:
+    """The wrapper's backward compute, communication and their overlap (ms, averaged over the backwards it
+    sampled: torch DDP samples some, ours every synchronised one); {} for a model that is neither DDP."""
+    read = getattr(model, "_get_ddp_logging_data", None)
+    if read is None:
+        return {}
+    data = read()
+    return {name: data.get(key, 0) / 1e6 for name, key in DDP_COUNTERS.items()}
+
+
 class StreamClock:
     """Time stamps on the compute stream of the current device: CUDA events recorded on its current stream
     (nothing waits when one is taken), the host's clock on a CPU. What torch DDP's reducer times with."""
@@ -273,7 +292,7 @@ class StepTimer:
         self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
     ) -> None:
         self.clock = clock or StreamClock(device)
-        self.wait_clock = getattr(model, "_comm_wait", None)  # our DistributedDataParallel's
+        self.wait_clock = getattr(model, "_backward_clock", None)  # our DistributedDataParallel's
         self.sampling = False
         self.stamps: list = []  # this step's: the start, then one per phase ended
         self.window = dict.fromkeys(self.PHASES, 0.0)
@@ -302,7 +321,7 @@ class StepTimer:
         step = dict.fromkeys(self.PHASES, 0.0)
         for (_, start), (phase, end) in zip(self.stamps, self.stamps[1:]):
             step[phase] += self.clock.seconds(start, end)
-        waited = self.wait_clock.last_s() if self.wait_clock is not None else 0.0
+        waited = self.wait_clock.last_wait_s() if self.wait_clock is not None else 0.0
         waited = min(waited, step["forward_backward"])
         step["forward_backward"] -= waited
         step["comm_wait"] += waited

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, machine
-from mnist_dist.metrics import all_gather, cuda_peak_mib, job_images_per_s
+from mnist_dist.metrics import all_gather, cuda_peak_mib, ddp_counters_ms, job_images_per_s
 from mnist_dist.parallel.state import model_state
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "train_images_per_s": job_images_per_s(all_gather([run.throughput.total_images, run.throughput.total_seconds])),
         "wall_time_s": wall_time_s,
         "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
+        # ddp and torch_ddp: the wrapper's own backward compute, communication and overlap (rank 0's, ms)
+        "ddp_backward_ms": ddp_counters_ms(run.model) or None,
         "peak_rss_mib": per_rank(peak_rss_mib()),
         # per rank, its fullest device; by device: rank 0's, every device of dp and split
         "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,

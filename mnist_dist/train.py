@@ -27,7 +27,16 @@ from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler
-from mnist_dist.metrics import Scalars, StepTimer, Stopwatch, Throughput, all_gather, job_images_per_s, state_bytes
+from mnist_dist.metrics import (
+    Scalars,
+    StepTimer,
+    Stopwatch,
+    Throughput,
+    all_gather,
+    ddp_counters_ms,
+    job_images_per_s,
+    state_bytes,
+)
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import state, unwrap
 from mnist_dist.parallel.buffers import buffers_from_rank0
@@ -374,15 +383,17 @@ def restore_meters(run: Run, by_rank: list[dict]) -> None:
 def log_window(run: Run, loss: float) -> None:
     """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
     images, seconds = run.throughput.lap() or (0, 0.0)
-    gathered = all_gather([loss, images, seconds, *run.timer.lap().values()])
+    counters = ddp_counters_ms(run.model)  # the same keys on every rank: the DDP modes have them, others not
+    gathered = all_gather([loss, images, seconds, *run.timer.lap().values(), *counters.values()])
     if run.topology.rank != 0:
         return
     tags = {}
-    for rank, (rank_loss, rank_images, rank_seconds, *phases_ms) in enumerate(gathered):
+    names = [*StepTimer.PHASES, *counters]
+    for rank, (rank_loss, rank_images, rank_seconds, *times_ms) in enumerate(gathered):
         tags[f"rank_{rank}/train/loss"] = rank_loss
         if rank_seconds:
             tags[f"rank_{rank}/perf/images_per_s"] = rank_images / rank_seconds
-        tags.update({f"rank_{rank}/time/{phase}_ms": ms for phase, ms in zip(StepTimer.PHASES, phases_ms, strict=True)})
+        tags.update({f"rank_{rank}/time/{name}_ms": ms for name, ms in zip(names, times_ms, strict=True)})
     global_loss = sum(values[0] for values in gathered) / len(gathered)
     rate = job_images_per_s([(values[1], values[2]) for values in gathered])
     tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})

@@ -1,5 +1,6 @@
 """Our DistributedDataParallel, on 2 gloo ranks, against plain single-process autograd."""
 
+import json
 import re
 import time
 
@@ -251,10 +252,10 @@ def comm_wait_timed(rank, world_size):
             time.sleep(LATE_S)  # rank 0's all-reduces wait for this rank's gradients
         loss.backward()
         optimizer.step()
-        waits.append(ddp._comm_wait.last_s())
+        waits.append(ddp._backward_clock.last_wait_s())
     with ddp.no_sync():
         ddp(x).sum().backward()  # nothing to wait for
-    waits.append(ddp._comm_wait.last_s())
+    waits.append(ddp._backward_clock.last_wait_s())
     return waits, timer.lap()
 
 
@@ -329,3 +330,29 @@ def test_gradients_become_views_of_their_buckets_and_stay_averaged(ranks):
     (_, grads0), (_, grads1) = results
     for mine, other in zip(grads0, grads1):
         torch.testing.assert_close(mine, other)  # the average, the same on both ranks
+
+
+@pytest.mark.slow
+def test_both_ddps_report_the_same_three_counters_and_ours_fit_inside_the_step(tiny_root, tmp_path):
+    from helpers import compose_config, scalars
+
+    from mnist_dist.launch import launch
+
+    found = {}
+    for mode in ("ddp", "torch_ddp"):
+        (tmp_path / mode).mkdir()
+        # log_every=1: the step timer samples every step, as our DDP's clock does
+        launch(compose_config(tiny_root, f"mode={mode}", "gpus=2", "epochs=1", "log_every=1"), tmp_path / mode)
+        found[mode] = json.loads((tmp_path / mode / "results.json").read_text())
+        tags = scalars(tmp_path / mode)
+        for rank in range(2):
+            for name in ("backward_compute", "backward_comm", "backward_overlap"):
+                assert len(tags[f"rank_{rank}/time/{name}_ms"]) == found[mode]["steps"], (mode, rank, name)
+    for mode, results in found.items():
+        counters = results["ddp_backward_ms"]
+        assert counters["backward_comm"] > 0 and counters["backward_compute"] > 0, mode
+        assert 0 <= counters["backward_overlap"] <= min(counters["backward_compute"], counters["backward_comm"])
+    ours, phases = found["ddp"]["ddp_backward_ms"], found["ddp"]["step_time_ms"]
+    # From the end of forward to the last bucket reduced: inside forward_backward + comm_wait of every step
+    spanned = ours["backward_compute"] + ours["backward_comm"] - ours["backward_overlap"]
+    assert spanned <= phases["forward_backward"] + phases["comm_wait"]

@@ -148,7 +148,7 @@ class FakeEvent:
 
 
 class FakeWaitClock:
-    def last_s(self):
+    def last_wait_s(self):
         return 0.003
 
 
@@ -162,7 +162,7 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.TIMES, FakeEvent.recorded = [0.0, 1.0, 11.0, 13.0], []
     model = nn.Linear(2, 2)
-    model._comm_wait = FakeWaitClock()  # what our DDP exposes: it waited 3 ms of the 10 ms of backward
+    model._backward_clock = FakeWaitClock()  # what our DDP keeps: it waited 3 ms of the 10 ms of backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
     timer.start(sample=True)
@@ -280,7 +280,13 @@ def srun_task(monkeypatch):
     """This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``."""
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(key, raising=False)
-    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODELIST": "node1"}
+    slurm = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODELIST": "node1",
+        "SLURM_STEP_ID": "0",
+    }
     for key, value in {**slurm, "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
 
@@ -302,7 +308,8 @@ def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, 
 
 
 def test_torchrun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch):
-    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for key, value in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):

@@ -33,7 +33,7 @@ slightly different order still issues the same sequence of collectives.
 the wrapper queues a callback on the autograd engine (``_queue_end_of_backward``, the one private
 call). It launches what is left, waits, and writes the averaged gradients back into ``.grad``. What
 follows ``backward()`` (clipping, ``GradScaler.unscale_``, the optimizer) therefore sees the averaged
-gradients, exactly as with torch DDP. The wrapper times that wait itself (``_comm_wait``: the host's
+gradients, exactly as with torch DDP. The wrapper times its backward itself (``timing.py``: the host's
 clock on CPU, events on the compute stream on CUDA), which is the communication that backward did not
 hide; the trainer reads it for ``time/comm_wait_ms``.
 
@@ -78,7 +78,7 @@ from torch.profiler import record_function
 from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets
 from mnist_dist.parallel._join import DDPJoinHook, announce_backward_sync, sync_buffers
 from mnist_dist.parallel.buffers import broadcast_from_rank0
-from mnist_dist.parallel.timing import WaitClock
+from mnist_dist.parallel.timing import BackwardClock
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -144,7 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         tensors = [*self._params, *self._replicated_buffers]
         device = tensors[0].device if tensors else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._comm_wait = WaitClock(device)
+        self._backward_clock = BackwardClock(device)
         broadcast_from_rank0(tensors)
         self._hook_trainable()
 
@@ -175,6 +175,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_this_backward = self._sync_enabled
         output = self.module(*args, **kwargs)
         if grad_enabled and self._sync_enabled:
+            self._backward_clock.mark("compute_start")  # where torch DDP's reducer starts its backward's clock
             for tensor in _tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._on_output_grad)
@@ -219,6 +220,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self):
         return dist.group.WORLD
+
+    def _get_ddp_logging_data(self) -> dict[str, int]:
+        """torch DDP's backward counters under its names and units (ns): compute, communication and their
+        overlap, averaged over every synchronised backward (timing.py)."""
+        return self._backward_clock.averages_ns()
 
     def _broadcasts_buffers_next_forward(self) -> bool:
         return self.broadcast_buffers and self._sync_buffers_next_forward and bool(self._replicated_buffers)
@@ -279,6 +285,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        self._backward_clock.mark("comm_start")  # the first bucket's counts
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), torch.no_grad():
@@ -299,6 +306,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._end_queued = False
         if not self._arrived:  # e.g. autograd.grad() through the outputs: no .grad was written
             return
+        self._backward_clock.mark("compute_end")
         try:
             if not self._buckets:
                 self._build_plan()
@@ -310,8 +318,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 )
             self._launch_ready_buckets(everything=True)
             used = self._used_anywhere() if self.find_unused_parameters else None
-            with self._comm_wait, record_function("DistributedDataParallel.wait"):
+            with record_function("DistributedDataParallel.wait"):
                 self._wait_and_write_back(used)
+            self._backward_clock.mark("comm_end")
         finally:
             for bucket in self._buckets:
                 bucket.pending, bucket.work = len(bucket.indices), None

@@ -88,6 +88,7 @@ def report(samples: dict[str, list[dict]]) -> dict:
             **summarize(values),
             "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case]),
             "model_state_mib": max(max(run["model_state_mib"]) for run in samples[case]),
+            "ddp_backward_ms": _median_counters(samples[case]),
         }
         for case, values in speed.items()
     }
@@ -120,6 +121,34 @@ def report(samples: dict[str, list[dict]]) -> dict:
     return {"cases": cases, "comparisons": comparisons}
 
 
+def _median_counters(runs: list[dict]) -> dict[str, float] | None:
+    """Each of the wrapper's backward counters, the median over the runs (None outside ddp modes)."""
+    counters = [run["ddp_backward_ms"] for run in runs if run.get("ddp_backward_ms")]
+    if not counters:
+        return None
+    return {name: statistics.median(c[name] for c in counters) for name in counters[0]}
+
+
+def counters_table(result: dict) -> list[str]:
+    """Both DDPs on the counters torch DDP keeps: backward compute, communication, and the part of the
+    communication backward hid; exposed = communication - overlapped."""
+    rows = [(case, row["ddp_backward_ms"]) for case, row in result["cases"].items() if row.get("ddp_backward_ms")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| case (rank 0, ms per backward) | backward compute | communication | overlapped | exposed |",
+        "|---|---|---|---|---|",
+    ]
+    for case, c in rows:
+        exposed = c["backward_comm"] - c["backward_overlap"]
+        lines.append(
+            f"| {case} | {c['backward_compute']:.1f} | {c['backward_comm']:.1f} | {c['backward_overlap']:.1f} | "
+            f"{exposed:.1f} |"
+        )
+    return lines
+
+
 def markdown(result: dict, settings: dict, machine_info: dict) -> str:
     lines = [
         machine.summary_line(machine_info),
@@ -146,7 +175,7 @@ def markdown(result: dict, settings: dict, machine_info: dict) -> str:
         )
         met = "" if row["met"] is None else ("yes" if row["met"] else "**no**")
         lines.append(f"| {row['name']} | {value} | {target} | {met} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + counters_table(result)) + "\n"
 
 
 def chart(result: dict, path: Path) -> None:
@@ -241,6 +270,7 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
         "peak_rss_mib": results["peak_rss_mib"],
         "model_state_mib": results["model_state_mib"],
         "step_time_ms": results["step_time_ms"],
+        "ddp_backward_ms": results["ddp_backward_ms"],
         "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
     }
 
