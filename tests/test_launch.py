@@ -156,6 +156,8 @@ def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
     assert last_line.startswith("error: rank 1 failed: RuntimeError: injected failure at step 3")
     assert last_line.endswith("rank_1.log)")
     assert "injected failure at step 3" in (tmp_path / "run" / "rank_1.log").read_text()
+    # The failed run keeps the logs, and nothing TensorBoard would list as a run (no tb/).
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["rank_0.log", "rank_1.log"]
     workers = [int(p.name) for p in pids.iterdir()]
     assert len(workers) == 2
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker left running"

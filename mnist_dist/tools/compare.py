@@ -25,6 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mnist_dist.errors import exit_on_interrupt, raise_on_interrupt
+
+if __name__ == "__main__":
+    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+
 import matplotlib
 import yaml
 from hydra import compose, initialize_config_module
@@ -198,6 +203,8 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         sys.exit(f"error: {describe_hydra_error(error)}")
     except (ConfigError, DataError, WorkerFailed) as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        sys.exit(f"interrupted; no report written{f' (the runs so far: {out})' if out.exists() else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
     report["machine"] = machine.describe()
     report["load_average_max"] = peak_load
@@ -242,4 +249,5 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
 
 
 if __name__ == "__main__":
+    raise_on_interrupt()  # Ctrl-C and SIGTERM: the workers are stopped, then one line
     sys.exit(main(sys.argv[1:]))
