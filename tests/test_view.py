@@ -44,6 +44,10 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
+    # The sweep ends by saying where it is and how to look at it; each run said its own directory.
+    assert result.stderr.endswith(f"sweep directory: {sweep}\ncompare its runs: tensorboard --logdir {sweep}\n")
+    for run in ("ddp_epochs=1,gpus=2,log_every=5", "single_epochs=1,gpus=2,log_every=5"):
+        assert f" INFO run directory: {sweep / run}\n" in result.stderr
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
         "ddp_epochs=1,gpus=2,log_every=5",
         "single_epochs=1,gpus=2,log_every=5",
