@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         validate(cfg)
         parameters = sum(p.numel() for p in build(cfg).parameters())
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error)}")
+        sys.exit(f"error: {describe_hydra_error(error, argv)}")
     except ConfigError as error:
         sys.exit(f"error: {error}")
     print(
