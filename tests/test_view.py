@@ -11,7 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mnist_dist.metrics import LAYOUT, tb_dir
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
 
 
@@ -64,3 +65,9 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", README.read_text()))
     named = {re.sub(r"^rank_\d+/", "", tag) for tag in written}
     assert named <= listed, sorted(named - listed)
+
+
+def test_the_screenshot_is_made_by_the_sweep_command_the_docs_show():
+    script = (ROOT / "mnist_dist" / "tools" / "tensorboard_screenshot.sh").read_text()
+    (command,) = re.findall(r"^(python -m mnist_dist -m .+?)(?: \\)?$", script, re.M)
+    assert any(command in path.read_text() for path in [README, *(ROOT / "docs").glob("*.md")]), command
