@@ -14,10 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+
+from mnist_dist.errors import exit_on_interrupt
+
+if __name__ == "__main__":
+    exit_on_interrupt()  # until main(): the imports below (torch, Hydra: seconds) and Hydra's composition
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,26 +32,34 @@ from omegaconf import DictConfig, OmegaConf
 from mnist_dist import checkpoint, preemption, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
-from mnist_dist.errors import describe_os_error, last_resort, rank_log
+from mnist_dist.errors import describe_os_error, last_resort, raise_on_interrupt, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.topology import launched_rank
+from mnist_dist.topology import launched_rank, launcher
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
-    logging.getLogger("mnist_dist").setLevel(logging.INFO)
-    signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` clauses stop the workers
+    fresh = {p.name for p in run_dir.iterdir()} <= {".hydra"}  # Hydra made it for this launch
+    written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
+    outcome = Outcome()
     try:
+        raise_on_interrupt()  # Hydra is done composing: from now on `finally` clauses stop the workers
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
+        logging.getLogger("mnist_dist").setLevel(logging.INFO)
         config: Config = OmegaConf.to_object(cfg)
         validate(config)
+        written = _directories_written(config, run_dir)
         with ExitStack() as held:
-            for directory in _directories_written(config, run_dir):
+            for directory in written:
                 held.enter_context(rundir.owned(directory))  # refused while a live run writes there
             launch(config, run_dir, HydraConfig.get().overrides.task)
-    except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:
+        outcome.finished = True
+    except WorkerFailed as error:
+        outcome.keep_logs = True  # the line names the failed rank's log: its traceback is there
+        sys.exit(f"error: {error}")
+    except (ConfigError, DataError, TrainingDiverged) as error:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe_os_error(error)}")
@@ -54,15 +67,30 @@ def main(cfg: DictConfig) -> None:
         sys.stderr.write(f"{stop}\n")
         sys.exit(preemption.REQUEUE)
     except KeyboardInterrupt:
-        sys.exit(f"interrupted; the last complete checkpoint is {run_dir}/checkpoint.pt")
+        sys.exit(_interrupted(written or [run_dir]))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
+        outcome.keep_logs = True
         sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
     finally:
-        _remove_if_unused(run_dir)
+        _tidy(run_dir, fresh, outcome)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+@dataclass
+class Outcome:
+    """How the run ended, for ``_tidy``: finished, or failed keeping the logs its error line names."""
+
+    finished: bool = False
+    keep_logs: bool = False
+
+
+def _interrupted(written: list[Path]) -> str:
+    """The checkpoint that resume would go on from, if there is one (a resumed run's, when resuming)."""
+    if launched_rank():
+        return f"rank {launched_rank()} interrupted"  # rank 0 says where the run stands
+    saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
+    if saved:
+        return f"interrupted; the last complete checkpoint is {saved[0]} (resume={saved[0].parent} goes on from it)"
+    return "interrupted before the first checkpoint; nothing was saved"
 
 
 def _directories_written(config: Config, run_dir: Path) -> list[Path]:
@@ -73,11 +101,25 @@ def _directories_written(config: Config, run_dir: Path) -> list[Path]:
     return [checkpoint.locate(config.resume).parent] if explicit else [run_dir]
 
 
-def _remove_if_unused(run_dir: Path) -> None:
-    # A run that failed before training, or resumed in its old directory, leaves only Hydra's
-    # .hydra/ (and the released lock) here: remove it rather than leave a half-written run behind.
-    if run_dir != Path.cwd() and {p.name for p in run_dir.iterdir()} <= {".hydra", rundir.LOCK}:
-        shutil.rmtree(run_dir)
+def _tidy(run_dir: Path, fresh: bool, outcome: Outcome) -> None:
+    """Leaves nothing of a run that did not get as far as a checkpoint (a model that does not import, a
+    constructor that raises, a rank that fails, Ctrl-C), so that no failed run shows in TensorBoard;
+    only the rank logs stay when the error line names one. A directory that held anything but Hydra's
+    .hydra/ before this launch is left as it is, and so is one with a checkpoint (resume goes on from
+    it). What stays of a resume's fresh Hydra directory is only .hydra/: it goes too."""
+    if run_dir == Path.cwd() or not run_dir.is_dir():
+        return
+    names = {p.name for p in run_dir.iterdir()}
+    unused = names <= {".hydra", rundir.LOCK}  # failed before training, or resumed in its old directory
+    failed = fresh and not outcome.finished and "checkpoint.pt" not in names and not launcher()
+    if unused or (failed and not outcome.keep_logs):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif failed:
+        for path in run_dir.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif not (path.name.startswith("rank_") and path.suffix == ".log"):
+                path.unlink(missing_ok=True)
 
 
 def _torchrun_rank_overrides() -> list[str]:
@@ -95,8 +137,10 @@ if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
+    except KeyboardInterrupt:  # between a sweep's runs, or as one ends
+        sys.exit("interrupted; every run that printed its run directory is complete")
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error)}")
+        sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
     except OSError as error:  # Hydra could not create the run directory
         sys.exit(f"error: {describe_os_error(error)}")
     except Exception as error:  # before any run directory exists: nowhere to keep a traceback

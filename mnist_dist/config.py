@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import MISSING
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -171,12 +175,24 @@ def data_root(cfg: Config) -> str:
     return os.path.expanduser(cfg.data.root)
 
 
-def describe_hydra_error(error: Exception) -> str:
-    """Hydra's composition errors span several lines; say the same in one, from their fields."""
+def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = None) -> str:
+    """Hydra's composition errors span several lines; say the same in one, from their fields.
+
+    ``overrides``: the command line's, if known. A key that a group's chosen YAML does not have (``~model.dropout``
+    with ``recipe=fast``, whose FastNet has ``widths``) is then said with that option's keys.
+    """
     if isinstance(error, MissingConfigException) and error.options is not None:
         # mode=foo: name the group's options rather than Hydra's search path
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
+    deleted = re.match(r"Could not delete from config\. '(\w+)\.([\w.]+)' does not exist", str(error))
+    if deleted:
+        group, key = deleted.groups()
+        chosen = _chosen(group, key, overrides)
+        where = (
+            f"{chosen[0]} has no {key!r} (its keys: {', '.join(chosen[1])})" if chosen else f"{group} has no {key!r}"
+        )
+        return f"~{group}.{key}: nothing to remove, {where}; leave ~{group}.{key} out"
     message = str(error).splitlines()[0].rstrip(".")
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException):
@@ -184,7 +200,27 @@ def describe_hydra_error(error: Exception) -> str:
         schema = getattr(cause, "object_type", None)
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and hasattr(schema, "__dataclass_fields__"):
             message += f"; valid keys: {', '.join(schema.__dataclass_fields__)}"
+        elif isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "." in (cause.full_key or ""):
+            group, key = cause.full_key.split(".", 1)
+            chosen = _chosen(group, key, overrides)
+            if chosen:
+                message += f"; {chosen[0]} has {', '.join(chosen[1])} (+{cause.full_key}=... adds a key)"
     return message
+
+
+def _chosen(group: str, key: str, overrides: Sequence[str] | None) -> tuple[str, list[str]] | None:
+    """``("model=fastnet", its keys)``: the option of ``group`` that ``overrides`` choose, composed without
+    the ones that touch ``group.key``; None if they are not known or do not compose either."""
+    if overrides is None:
+        return None
+    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != f"{group}.{key}"]
+    try:
+        GlobalHydra.instance().clear()  # the command's own Hydra may still hold it
+        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+            cfg = compose("config", overrides=rest, return_hydra_config=True)
+        return f"{group}={cfg.hydra.runtime.choices[group]}", list(cfg[group])
+    except Exception:  # a sweep (a,b), or another mistake: say it without the keys
+        return None
 
 
 ConfigStore.instance().store(name="schema", node=Config)

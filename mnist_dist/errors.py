@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import traceback
 from pathlib import Path
 
@@ -79,3 +80,40 @@ def console_handler() -> logging.Handler:
     handler = logging.StreamHandler()
     handler.addFilter(FileOnly())
     return handler
+
+
+NOTHING_STARTED = "interrupted before anything started; nothing was saved"
+
+
+def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
+    """Until the command's own handling is in place: Ctrl-C or SIGTERM ends the process at once, with
+    ``message`` as its one line and exit status 1.
+
+    For a command's first seconds, while torch and Hydra are imported: a KeyboardInterrupt there is a
+    traceback from deep inside the import machinery, and an exception raised there can even be lost
+    (C code that imports a module and clears the error when it fails), leaving the command running.
+    So the handler exits instead of raising: nothing has started that would need cleaning up. A
+    SIGINT that was ignored (a job started with ``&`` from a script) stays ignored.
+    """
+
+    def leave(signum, frame) -> None:
+        os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
+        os._exit(1)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, leave)
+
+
+def raise_on_interrupt() -> None:
+    """From now on Ctrl-C or SIGTERM raises KeyboardInterrupt, so that ``finally`` clauses run (they stop
+    the workers and tidy the run directory); another one while they run ends the process at once (its
+    workers die with it: mnist_dist.parallel.spawn)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _raise_interrupt)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    exit_on_interrupt("interrupted again: stopped at once")
+    raise KeyboardInterrupt

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, machine
+from mnist_dist.console import summary_line
+from mnist_dist.errors import FILE_ONLY
 from mnist_dist.metrics import all_gather, cuda_peak_mib, ddp_counters_ms, job_images_per_s
 from mnist_dist.parallel.state import model_state
 
@@ -58,7 +60,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
         hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
         hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
         run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
-        log.info("results: %s", results)
+        log.info("results: %s", results, extra=FILE_ONLY)  # the console gets the summary
+        log.info("%s", summary_line(results))
+        log.info("run directory: %s", run.run_dir.resolve())
     if dist.is_initialized():
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
         dist.destroy_process_group()

@@ -23,6 +23,10 @@ from mnist_dist.metrics import read_scalars, tb_dir
 from mnist_dist.parallel import init_process_group, spawn
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
+# How long a test waits for a command before calling it hung: what a ddp run on tiny data may take on a
+# 2-core machine at load 8 (starting the ranks alone can take a minute there), with room to spare.
+# Tests assert outcomes; this only ends a hang.
+HANG_S = 600
 
 
 def compose_config(data_root: Path, *overrides: str):

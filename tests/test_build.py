@@ -52,3 +52,4 @@ def test_the_command_line_says_it_in_one_line(tiny_root, tmp_path):
         "error: model._target_=torch.nn.Flatten takes no argument 'dropout', which the model config passes; "
         "add ~model.dropout to the command line to leave it out"
     )
+    assert not (tmp_path / "run").exists()  # a run that failed to build leaves nothing behind

@@ -6,7 +6,12 @@ import statistics
 import pytest
 from helpers import assert_machine_fields
 
+from mnist_dist.console import config_line
 from mnist_dist.tools import compare
+
+
+class Stop(Exception):
+    """Ends a comparison where a test has seen what it needs, before any training."""
 
 
 def row(mode, speeds):
@@ -52,3 +57,30 @@ def test_rounds_alternate_and_the_table_has_medians_spreads_and_the_load_warning
     assert "| images/s (median of 2) | min – max | spread |" in table
     assert "warning: the load average reached 1000.0 on" in table
     assert table in capsys.readouterr().out
+
+
+def test_modes_take_a_comma_list_as_a_sweep_does(tiny_root, monkeypatch):
+    seen = []
+
+    def rounds(configs, *args):
+        seen.extend(configs)
+        raise Stop
+
+    monkeypatch.setattr(compare, "run_rounds", rounds)
+    with pytest.raises(Stop):
+        compare.main(["modes=single,ddp", f"data.root={tiny_root}", "data.mirrors=[]"])
+    assert seen == ["single", "ddp"]
+
+
+def test_each_run_says_the_overrides_it_runs_with(tiny_root, tmp_path, monkeypatch):
+    said = []
+
+    def launch(cfg, run_dir, overrides=()):
+        said.append(config_line(overrides))  # what its console's "config:" line says
+        raise Stop
+
+    monkeypatch.setattr(compare, "launch", launch)
+    configs = compare.compose_configs(["ddp"], [f"data.root={tiny_root}", "gpus=2"])
+    with pytest.raises(Stop):
+        compare.run_rounds(configs, 1, tmp_path / "out", lambda: 0.0)
+    assert said == [f"data.root={tiny_root} gpus=2 mode=ddp model.dropout=false"]

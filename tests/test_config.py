@@ -105,6 +105,27 @@ def test_composition_errors_are_one_line(override, expected):
     assert line.count("\n") == 1 and expected in line
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (  # docs/CONVERTING.md's ~model.dropout, with a recipe whose model has none
+            ["recipe=fast", "~model.dropout"],
+            "error: ~model.dropout: nothing to remove, model=fastnet has no 'dropout' (its keys: _target_, widths); "
+            "leave ~model.dropout out\n",
+        ),
+        (
+            ["recipe=fast", "model.dropout=false"],
+            "error: Could not override 'model.dropout': Key 'dropout' is not in struct; model=fastnet has _target_, "
+            "widths (+model.dropout=... adds a key)\n",
+        ),
+    ],
+)
+def test_a_key_the_chosen_model_lacks_is_one_line_with_its_keys(overrides, expected):
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
+        compose("config", overrides=overrides)
+    assert f"error: {describe_hydra_error(error.value, overrides)}\n" == expected
+
+
 def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
     result = cli("mode=single", "mode.message_size=5", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1

@@ -1,5 +1,6 @@
 """Rank 0's progress shows: a bar in a terminal (also one that reports no size), a log line in a pipe."""
 
+import json
 import logging
 import os
 import pty
@@ -8,7 +9,8 @@ import sys
 
 import pytest
 
-from mnist_dist.console import Progress, config_line
+from mnist_dist.console import Progress, config_line, summary_line
+from mnist_dist.launch import launch
 
 RUN = [sys.executable, "-m", "mnist_dist", "epochs=1", "log_every=5", "data.mirrors=[]"]
 
@@ -83,3 +85,18 @@ def test_a_pipe_gets_progress_lines_in_the_console_and_the_log(tiny_root, tmp_pa
 def test_the_config_line_is_the_command_line_overrides():
     assert config_line([]) == "the defaults"
     assert config_line(["mode=ddp", "gpus=2", "~model.dropout"]) == "mode=ddp gpus=2 ~model.dropout"
+
+
+def test_a_run_ends_with_one_short_line_of_results_and_its_directory(make_config, tmp_path, capsys):
+    launch(make_config("epochs=1", "batch_size=32"), tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    summary = summary_line(results)
+    assert summary.startswith(
+        f"test accuracy {100 * results['test_accuracy']:.2f} %, loss {results['test_loss']:.4f}; "
+    )
+    assert f"{results['steps']} steps in 0:00:" in summary and summary.endswith(" images/s")
+    assert len(summary) < 100
+    console = capsys.readouterr().err.splitlines()
+    assert console[-2].endswith(f" INFO {summary}") and console[-1].endswith(f" INFO run directory: {tmp_path}")
+    assert "results: {" not in "\n".join(console)  # the whole dict: results.json, and rank 0's log
+    assert "results: {" in (tmp_path / "rank_0.log").read_text()

@@ -106,6 +106,6 @@ def test_a_batchnorm_models_ddp_run_equals_single_with_sync_batchnorm(tiny_root,
 
 def test_compare_synchronises_batchnorm_where_the_mode_can():
     configs = compose_configs(["single", "ddp", "torch_ddp"], ["recipe=fast"])
-    assert [getattr(cfg.mode, "sync_batchnorm", None) for cfg in configs.values()] == [None, True, True]
+    assert [getattr(cfg.mode, "sync_batchnorm", None) for cfg, _ in configs.values()] == [None, True, True]
     convnet = compose_configs(["ddp"], [])  # no BatchNorm: nothing to synchronise
-    assert convnet["ddp"].mode.sync_batchnorm is False
+    assert convnet["ddp"][0].mode.sync_batchnorm is False

@@ -78,6 +78,19 @@ def test_recipes_classic_is_the_defaults_and_fast_chooses_its_groups(make_config
     assert fast.scheduler["max_lr"] == fast.optim["lr"]
 
 
+def test_the_fast_recipe_evaluates_several_times_an_epoch_and_that_changes_no_weight(make_config, tmp_path):
+    every = make_config("recipe=fast").eval_every_steps
+    assert every and 234 // every >= 4  # Fashion-MNIST's epoch at batch 256: a curve per mode in TensorBoard
+    for name, evaluations in (("epoch_ends", "eval_every_steps=0"), ("often", "eval_every_steps=3")):
+        (tmp_path / name).mkdir()
+        launch(make_config("recipe=fast", "epochs=2", "batch_size=64", evaluations), tmp_path / name)
+    assert len(read_scalars(tmp_path / "often")["test/accuracy"]) > len(
+        read_scalars(tmp_path / "epoch_ends")["test/accuracy"]
+    )
+    often, epoch_ends = (torch.load(tmp_path / name / "model.pt") for name in ("often", "epoch_ends"))
+    assert all(torch.equal(often[key], epoch_ends[key]) for key in often)  # BatchNorm's statistics included
+
+
 def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     (tmp_path / "run").mkdir()
     tiny = ("model._target_=test_time_to_accuracy.TinyMLP", "~model.widths")  # the schedule is what counts

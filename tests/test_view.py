@@ -12,6 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mnist_dist.metrics import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "tensorboard.md"  # the page that lists every tag
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
 
 
@@ -44,6 +46,10 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
+    # The sweep ends by saying where it is and how to look at it; each run said its own directory.
+    assert result.stderr.endswith(f"sweep directory: {sweep}\ncompare its runs: tensorboard --logdir {sweep}\n")
+    for run in ("ddp_epochs=1,gpus=2,log_every=5", "single_epochs=1,gpus=2,log_every=5"):
+        assert f" INFO run directory: {sweep / run}\n" in result.stderr
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
         "ddp_epochs=1,gpus=2,log_every=5",
         "single_epochs=1,gpus=2,log_every=5",
@@ -60,3 +66,9 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", TAGS_PAGE.read_text()))
     named = {re.sub(r"^rank_\d+/", "", tag) for tag in written}
     assert named <= listed, sorted(named - listed)
+
+
+def test_the_screenshot_is_made_by_the_sweep_command_the_docs_show():
+    script = (ROOT / "mnist_dist" / "tools" / "tensorboard_screenshot.sh").read_text()
+    (command,) = re.findall(r"^(python -m mnist_dist -m .+?)(?: \\)?$", script, re.M)
+    assert any(command in path.read_text() for path in [README, *(ROOT / "docs").glob("*.md")]), command

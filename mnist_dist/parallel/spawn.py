@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import secrets
@@ -14,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -95,9 +97,14 @@ def spawn(
         )
         for rank in range(world_size)
     ]
-    for worker in workers:
-        worker.start()
     try:
+        with _sigint_held_from_children():
+            if start_method == "forkserver":
+                multiprocessing.forkserver.ensure_running()  # the server (its workers' parent) starts now
+            else:
+                _start(workers)
+        if start_method == "forkserver":
+            _start(workers)  # waits for the server's imports: Ctrl-C stays this process's to answer meanwhile
         _supervise(workers, reports, beats, log_path, start_method)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
@@ -131,6 +138,30 @@ def heartbeat(phase: str, step: int | None = None) -> None:
         if step is not None:
             _beat[0].step = step
         _beat[0].phase = phase.encode()[:31]
+
+
+def _start(workers: list) -> None:
+    for worker in workers:
+        worker.start()
+
+
+@contextlib.contextmanager
+def _sigint_held_from_children() -> Iterator[None]:
+    """SIGINT blocked in this thread while the body runs, and so for good in every process it starts.
+
+    Ctrl-C in a terminal signals the whole process group: the workers, and a forkserver still importing
+    torch, would each print a KeyboardInterrupt traceback from wherever they were. This process answers
+    it alone (by stopping the workers with SIGTERM). A signal mask survives fork and exec, so the
+    children never see SIGINT; here a Ctrl-C that came meanwhile is delivered when the body ends.
+    """
+    # multiprocessing's resource tracker, started with the first process, unblocks SIGINT after starting
+    # itself: started first, it cannot undo the mask below.
+    multiprocessing.resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def die_with_parent() -> None:
@@ -175,6 +206,7 @@ def _worker(
     beat: _Beat,
     environment: dict[str, str],
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher answers Ctrl-C (see _sigint_held_from_children)
     _exit_with_launcher()
     _beat.append(beat)
     os.environ.clear()  # a forkserver's worker would otherwise have the server's, from when it started
@@ -195,7 +227,8 @@ def _worker(
     except BaseException as error:
         if print_traceback:  # else it is in the worker's log already
             traceback.print_exc()
-        report.send((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
+        with contextlib.suppress(OSError):  # BrokenPipeError: the launcher is gone, nobody is left to tell
+            report.send((time.monotonic(), rank, f"{type(error).__name__}: {error}".splitlines()[0]))
         sys.exit(1)
 
 
@@ -290,6 +323,7 @@ def _exit_reason(exitcode: int) -> str:
 
 
 def _stop(workers: list, grace_s: float = 5.0) -> None:
+    workers = [worker for worker in workers if worker.pid is not None]  # Ctrl-C may come before every start
     for worker in workers:
         if worker.is_alive():
             worker.terminate()  # SIGTERM first: a rank blocked in a collective dies at once

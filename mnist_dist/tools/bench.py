@@ -22,6 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from mnist_dist.errors import exit_on_interrupt, raise_on_interrupt
+
+if __name__ == "__main__":
+    exit_on_interrupt()  # before the imports below (torch: seconds): Ctrl-C meanwhile is one line too
+
 import matplotlib
 import torch
 
@@ -348,4 +353,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise_on_interrupt()  # Ctrl-C and SIGTERM: the running case is stopped (subprocess.run kills it), then one line
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("interrupted; no report written")

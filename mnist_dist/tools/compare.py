@@ -25,6 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mnist_dist.errors import exit_on_interrupt, raise_on_interrupt
+
+if __name__ == "__main__":
+    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+
 import matplotlib
 import yaml
 from hydra import compose, initialize_config_module
@@ -34,7 +39,7 @@ from torch import nn
 
 from mnist_dist import machine
 from mnist_dist.build import instantiate_model
-from mnist_dist.config import ConfigError, describe_hydra_error, validate
+from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.metrics import read_scalars
@@ -197,6 +202,8 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
             options[key] = yaml.safe_load(value)
         else:
             overrides.append(arg)
+    if isinstance(options["modes"], str):  # modes=single,ddp: a comma list, as Hydra's -m takes it
+        options["modes"] = [mode.strip() for mode in options["modes"].split(",")]
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
@@ -204,9 +211,11 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error)}")
+        sys.exit(f"error: {describe_hydra_error(error, overrides)}")
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        sys.exit(f"interrupted; no report written{f' (the runs so far: {out})' if out.exists() else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
     report["machine"] = machine.describe()
     report["load_average_max"] = peak_load
@@ -220,22 +229,26 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     return 0 if report["agree"] else 1
 
 
-def compose_configs(modes: list[str], overrides: list[str]) -> dict:
-    """Each mode's config: dropout off where the model has it, and BatchNorm synchronised where the mode
-    can (ranks would otherwise each normalise with their own share's statistics, which single does not)."""
+def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[Config, list[str]]]:
+    """Each mode's config, checked, and the overrides that make it (its run's console line says them):
+    dropout off where the model has it, and BatchNorm synchronised where the mode can (ranks would
+    otherwise each normalise with their own share's statistics, which single does not)."""
     configs = {}
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         for mode in modes:
-            cfg = compose("config", overrides=[*overrides, f"mode={mode}"])
+            said = [*overrides, f"mode={mode}"]
+            cfg = compose("config", overrides=said)
             if "dropout" in cfg.model:
                 cfg.model.dropout = False
+                said.append("model.dropout=false")
             if "sync_batchnorm" in cfg.mode and _has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
                 cfg.mode.sync_batchnorm = True
+                said.append("mode.sync_batchnorm=true")
                 print(
                     f"compare: mode={mode} with mode.sync_batchnorm=true, so that its BatchNorm sees the global batch"
                 )
-            configs[mode] = OmegaConf.to_object(cfg)
-            validate(configs[mode])
+            configs[mode] = OmegaConf.to_object(cfg), said
+            validate(configs[mode][0])
     return configs
 
 
@@ -249,12 +262,12 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
     round's images/s per mode, and the highest load average seen before a run."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
     for round_ in range(1, repeats + 1):
-        for mode, cfg in configs.items():
+        for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
             run_dir.mkdir(parents=True)
             peak_load = max(peak_load, load())
             print(f"== round {round_}/{repeats}: {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
-            launch(cfg, run_dir)
+            launch(cfg, run_dir, said)
             result = json.loads((run_dir / "results.json").read_text())
             speeds[mode].append(result["train_images_per_s"])
             if round_ == 1:
@@ -263,4 +276,5 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
 
 
 if __name__ == "__main__":
+    raise_on_interrupt()  # Ctrl-C and SIGTERM: the workers are stopped, then one line
     sys.exit(main(sys.argv[1:]))

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# docs/tensorboard.png as a person sees it: a three-mode sweep, then TensorBoard's CUSTOM SCALARS tab
-# in headless Chromium (Debian: apt-get install chromium). Run from the repository root, venv active:
+# docs/tensorboard.png as a person sees it: the three-mode sweep the docs show, run by exactly their
+# command, then TensorBoard's CUSTOM SCALARS tab in headless Chromium (Debian: apt-get install chromium).
+# Run from the repository root, venv active:
 #   bash mnist_dist/tools/tensorboard_screenshot.sh [docs/tensorboard.png]
 set -euo pipefail
 out=${1:-docs/tensorboard.png}
-sweep=$(mktemp -d /tmp/mnist_dist_sweep.XXXXXX)
-python -m mnist_dist -m mode=single,ddp,torch_ddp gpus=2 data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]' recipe=fast epochs=1 \
-    eval_every_steps=25 log_every=5 "hydra.sweep.dir=$sweep"
+log=$(mktemp /tmp/mnist_dist_sweep.XXXXXX.log)
+python -m mnist_dist -m mode=single,ddp,torch_ddp gpus=2 recipe=fast data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]' epochs=1 \
+    2>&1 | tee "$log"
+sweep=$(sed -n 's/^sweep directory: //p' "$log") # the sweep's last lines say where it is
 tensorboard --logdir "$sweep" --host 127.0.0.1 --port 6123 >"$sweep/tensorboard.log" 2>&1 &
 board=$!
 trap 'kill $board' EXIT

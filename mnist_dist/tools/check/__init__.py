@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import sys
 
+from mnist_dist.errors import exit_on_interrupt
+
+if sys.argv[:1] == ["-m"]:  # `python -m mnist_dist.tools.check` imports this package first (argv[0] is "-m" then)
+    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -42,7 +47,7 @@ def main(argv: list[str]) -> int:
         validate(cfg)
         parameters = sum(p.numel() for p in build(cfg).parameters())
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error)}")
+        sys.exit(f"error: {describe_hydra_error(error, argv)}")
     except ConfigError as error:
         sys.exit(f"error: {error}")
     print(
