@@ -37,8 +37,8 @@ def test_compare_of_a_diverging_run_is_one_line(tiny_root, tmp_path, monkeypatch
         "+model.nan=true",
     )
     assert message == (
-        "error: the training loss is nan at step 3 (rank 0); lower optim.lr, check the data, or resume from the "
-        "last checkpoint"
+        "error: the training loss is nan at step 3 (rank 0); lower optim.lr or check the data (no checkpoint was "
+        "written before it)"
     )
 
 

@@ -98,13 +98,7 @@ def spawn(
         for rank in range(world_size)
     ]
     try:
-        with _sigint_held_from_children():
-            if start_method == "forkserver":
-                multiprocessing.forkserver.ensure_running()  # the server (its workers' parent) starts now
-            else:
-                _start(workers)
-        if start_method == "forkserver":
-            _start(workers)  # waits for the server's imports: Ctrl-C stays this process's to answer meanwhile
+        _start(workers, start_method)
         _supervise(workers, reports, beats, log_path, start_method)
     finally:
         _stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
@@ -140,9 +134,17 @@ def heartbeat(phase: str, step: int | None = None) -> None:
         _beat[0].phase = phase.encode()[:31]
 
 
-def _start(workers: list) -> None:
-    for worker in workers:
-        worker.start()
+def _start(workers: list, start_method: str) -> None:
+    """Starts the workers with SIGINT held from them (and from a forkserver, their parent)."""
+    with _sigint_held_from_children():
+        if start_method == "forkserver":
+            multiprocessing.forkserver.ensure_running()  # the server (its workers' parent) starts now
+        else:
+            for worker in workers:
+                worker.start()
+    if start_method == "forkserver":  # waits for the server's imports: Ctrl-C stays this process's meanwhile
+        for worker in workers:
+            worker.start()
 
 
 @contextlib.contextmanager
