@@ -41,7 +41,7 @@ from mnist_dist.topology import launched_rank, launcher
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    fresh = {p.name for p in run_dir.iterdir()} <= {".hydra"}  # Hydra made it for this launch
+    fresh = rundir.made_here(run_dir)  # this launch made it: it may go again if the run leaves nothing
     written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
     outcome = Outcome()
     try:
@@ -104,13 +104,13 @@ def _directories_written(config: Config, run_dir: Path) -> list[Path]:
 def _tidy(run_dir: Path, fresh: bool, outcome: Outcome) -> None:
     """Leaves nothing of a run that did not get as far as a checkpoint (a model that does not import, a
     constructor that raises, a rank that fails, Ctrl-C), so that no failed run shows in TensorBoard;
-    only the rank logs stay when the error line names one. A directory that held anything but Hydra's
-    .hydra/ before this launch is left as it is, and so is one with a checkpoint (resume goes on from
-    it). What stays of a resume's fresh Hydra directory is only .hydra/: it goes too."""
-    if run_dir == Path.cwd() or not run_dir.is_dir():
+    only the rank logs stay when the error line names one. A directory this launch did not make (the
+    user's own, even empty) is left as it is, and so is one with a checkpoint (resume goes on from it).
+    A resume's fresh directory, unused since the run went on in its old one, goes too."""
+    if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
         return
     names = {p.name for p in run_dir.iterdir()}
-    unused = names <= {".hydra", rundir.LOCK}  # failed before training, or resumed in its old directory
+    unused = names <= {rundir.LOCK}  # failed before training, or resumed in its old directory
     failed = fresh and not outcome.finished and "checkpoint.pt" not in names and not launcher()
     if unused or (failed and not outcome.keep_logs):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -133,6 +133,7 @@ def _torchrun_rank_overrides() -> list[str]:
 
 if __name__ == "__main__":
     sys.argv += _torchrun_rank_overrides()
+    rundir.note_explicit(sys.argv)  # before Hydra makes it: a hydra.run.dir that exists is the user's
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

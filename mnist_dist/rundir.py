@@ -21,26 +21,59 @@ from omegaconf import OmegaConf
 from mnist_dist.config import ConfigError
 
 LOCK = ".run.lock"  # in the run directory, held for the lifetime of the run that writes there
-_claimed: dict[str, str] = {}  # Hydra resolves the run directory more than once: the same answer each time
+_claimed: dict[object, str] = {}  # Hydra resolves the run directory more than once: the same answer each time
+_made: set[Path] = set()  # directories this process created for its runs: the only ones it may remove
+
+
+def _claim(parent: Path, name: str) -> str:
+    """``name``, or ``name_<n>`` for the first n >= 2 free in ``parent``, created there (an atomic mkdir: of
+    two launches, exactly one creates it)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = name, 1
+    while True:
+        try:
+            os.mkdir(parent / candidate)
+            break
+        except FileExistsError:
+            n += 1
+            candidate = f"{name}_{n}"
+    _made.add((parent / candidate).resolve())
+    return candidate
 
 
 def unique_dir(base: str) -> str:
     """``base``, or ``base_<n>`` for the first n >= 2 that no other launch has claimed."""
     if base not in _claimed:
-        Path(base).parent.mkdir(parents=True, exist_ok=True)
-        candidate, n = base, 1
-        while True:
-            try:
-                os.mkdir(candidate)  # atomic: of two launches, exactly one creates it
-                break
-            except FileExistsError:
-                n += 1
-                candidate = f"{base}_{n}"
-        _claimed[base] = candidate
+        _claimed[base] = str(Path(base).parent / _claim(Path(base).parent, Path(base).name))
     return _claimed[base]
 
 
+def unique_subdir(sweep_dir: str, name: str, job: int) -> str:
+    """A sweep job's directory under ``sweep_dir``: ``name``, or ``name_<n>`` when an earlier job took it
+    (jobs that differ only in keys the name leaves out, such as ``data.root``, would share one)."""
+    key = (sweep_dir, name, int(job))
+    if key not in _claimed:
+        _claimed[key] = _claim(Path(sweep_dir), name)
+    return _claimed[key]
+
+
+def note_explicit(argv: list[str]) -> None:
+    """Before Hydra runs: a ``hydra.run.dir=`` that does not exist yet is this launch's to make (and to
+    remove if the run leaves nothing); one that exists is the user's, never removed."""
+    for arg in argv:
+        if arg.startswith("hydra.run.dir="):
+            path = Path(arg.partition("=")[2].strip("'\""))
+            if not path.exists():
+                _made.add(path.resolve())
+
+
+def made_here(run_dir: Path) -> bool:
+    """Whether this process created ``run_dir`` for its run (see ``unique_dir`` and ``note_explicit``)."""
+    return run_dir.resolve() in _made
+
+
 OmegaConf.register_new_resolver("unique_dir", unique_dir, replace=True)
+OmegaConf.register_new_resolver("unique_subdir", unique_subdir, replace=True)
 
 
 @contextmanager
