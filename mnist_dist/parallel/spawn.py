@@ -70,9 +70,10 @@ def spawn(
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
     ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
     ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
-    too, and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that stops
-    responding (stopped, or stuck) while another times out waiting for it is the one named, with where its
-    last ``heartbeat`` said it was.
+    too (the workers never see SIGINT themselves, though a terminal sends it to them: only this process
+    answers it), and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that
+    stops responding (stopped, or stuck) while another times out waiting for it is the one named, with
+    where its last ``heartbeat`` said it was.
 
     ``start_method="forkserver"`` forks the workers from one server process that imported torch and
     torch._dynamo (which torch.optim imports at the first step) and ``fn``'s module once: a worker then
