@@ -38,8 +38,14 @@ from mnist_dist.step import TrainingDiverged
 from mnist_dist.topology import launched_rank, launcher
 
 
+def main() -> None:
+    """The command: Hydra composes the config from ``sys.argv`` and runs the job in its directory."""
+    rundir.note_explicit(sys.argv)  # before Hydra makes it: a hydra.run.dir that exists is the user's
+    _run()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = rundir.made_here(run_dir)  # this launch made it: it may go again if the run leaves nothing
     written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
@@ -133,7 +139,6 @@ def _torchrun_rank_overrides() -> list[str]:
 
 if __name__ == "__main__":
     sys.argv += _torchrun_rank_overrides()
-    rundir.note_explicit(sys.argv)  # before Hydra makes it: a hydra.run.dir that exists is the user's
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

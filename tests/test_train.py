@@ -31,8 +31,12 @@ RUN_TAGS = {
 }
 
 
-def rank_tags(world_size: int) -> set[str]:
-    return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS}
+# ddp and torch_ddp: the wrapper's own backward counters (torch DDP's logging data; ours under its names)
+DDP_TAGS = {"time/backward_compute_ms", "time/backward_comm_ms", "time/backward_overlap_ms"}
+
+
+def rank_tags(world_size: int, ddp: bool = False) -> set[str]:
+    return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS | (DDP_TAGS if ddp else set())}
 
 
 def run(make_config, run_dir, *overrides):
@@ -129,7 +133,7 @@ def test_distributed_evaluation_is_exact(twenty_steps, tiny_root):
     # One TensorBoard run per training run: rank 0 writes every rank's numbers into <run>/tb.
     assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {run_dir / "tb"}
     tb = scalars(run_dir)
-    assert set(tb) == RUN_TAGS | rank_tags(2)
+    assert set(tb) == RUN_TAGS | rank_tags(2, ddp=True)
     assert tb["rank_0/train/loss"] != tb["rank_1/train/loss"]  # each rank's own share of the batch
     mean = [(a + b) / 2 for a, b in zip(tb["rank_0/train/loss"], tb["rank_1/train/loss"], strict=True)]
     assert tb["train/loss_global"] == pytest.approx(mean, rel=1e-6)  # TensorBoard keeps float32
