@@ -28,7 +28,6 @@ from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
 from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler
 from mnist_dist.metrics import (
-    Scalars,
     StepTimer,
     Stopwatch,
     Throughput,
@@ -44,6 +43,7 @@ from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
 from mnist_dist.step import TrainingDiverged, check_finite, evaluate, first_non_finite, train_step
+from mnist_dist.tensorboard import Scalars
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")

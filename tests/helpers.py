@@ -19,8 +19,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mnist_dist.metrics import read_scalars, tb_dir
 from mnist_dist.parallel import init_process_group, spawn
+from mnist_dist.tensorboard import read_scalars, tb_dir
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 # How long a test waits for a command before calling it hung: what a ddp run on tiny data may take on a

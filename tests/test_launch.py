@@ -10,8 +10,8 @@ import torch
 from helpers import HANG_S, scalars, srun
 
 from mnist_dist import checkpoint
-from mnist_dist.metrics import tb_dir
 from mnist_dist.preemption import REQUEUE
+from mnist_dist.tensorboard import tb_dir
 from mnist_dist.tools import gpu_check, plot_trace
 
 ROOT = Path(__file__).parent.parent

@@ -42,9 +42,9 @@ from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
-from mnist_dist.metrics import read_scalars
 from mnist_dist.modes import world_size
 from mnist_dist.step import TrainingDiverged
+from mnist_dist.tensorboard import read_scalars
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402

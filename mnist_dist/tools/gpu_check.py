@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.metrics import read_scalars
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DataParallelMode, wrap_model
 from mnist_dist.parallel import DistributedDataParallel, spawn
 from mnist_dist.precision import Precision
 from mnist_dist.step import compute_gradients
+from mnist_dist.tensorboard import read_scalars
 from mnist_dist.tools.run import train_in_subprocess
 from mnist_dist.tools.synthetic import write_idx
 from mnist_dist.topology import fp32_precision

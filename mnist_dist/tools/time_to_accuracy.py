@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mnist_dist import machine
-from mnist_dist.metrics import read_scalars
+from mnist_dist.tensorboard import read_scalars
 from mnist_dist.tools.run import train_in_subprocess
 
 CASES = {"single": ["mode=single"], "ddp": ["mode=ddp"], "torch_ddp": ["mode=torch_ddp"]}

@@ -1,0 +1,171 @@
+"""The run's TensorBoard directory: written by rank 0 alone, read by the tools and the tests.
+
+One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
+rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
+node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
+mode overlay:
+
+- ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
+  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy`` (at every evaluation: epoch ends, and every
+  ``eval_every_steps``), ``test/accuracy_by_train_ms`` (the same accuracies with training milliseconds,
+  evaluation left out, as the x axis: modes compare by time), ``results/images_per_s`` (the run's
+  average, at the end), the run's hyperparameters for the HPARAMS tab, and ``LAYOUT`` for the
+  CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section;
+- for every rank r, under ``rank_<r>/``: ``train/loss`` (its own share of the batch),
+  ``perf/images_per_s``, and where a step's time goes (mnist_dist/metrics.py): ``time/data_ms``,
+  ``time/forward_backward_ms``, ``time/comm_wait_ms``, ``time/optimizer_ms``, and in ddp and torch_ddp
+  the wrapper's own ``time/backward_{compute,comm,overlap}_ms``.
+
+The x axis is the optimizer step, which means the same global batch in every mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
+
+# CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
+# global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
+LAYOUT = [
+    (
+        "compare runs (global numbers)",
+        True,
+        [
+            ("training loss, mean over ranks", r"^train/loss_global$"),
+            ("images/s, all ranks together", r"^perf/images_per_s_global$"),
+            ("test accuracy", r"^test/accuracy$"),
+            ("test accuracy against training time (x: ms, evaluation left out)", r"^test/accuracy_by_train_ms$"),
+            ("test loss", r"^test/loss$"),
+        ],
+    ),
+    (
+        "per rank (every rank of every run)",
+        False,
+        [
+            ("training loss on each rank's share", r"^rank_\d+/train/loss$"),
+            ("images/s of each rank", r"^rank_\d+/perf/images_per_s$"),
+            ("where a sampled step's time goes (ms)", r"^rank_\d+/time/"),
+        ],
+    ),
+    ("schedule", False, [("learning rate", r"^train/lr$"), ("epoch time (s)", r"^perf/epoch_time_s$")]),
+]
+
+
+def tb_dir(run_dir: Path) -> Path:
+    """The training run's one TensorBoard run, written by rank 0."""
+    return run_dir / "tb"
+
+
+def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar the run logged, ``{tag: {step: value}}`` in step order: the one reader of the tags above
+    (compare, bench and the tests read runs through it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def custom_scalars_summary() -> Summary:
+    """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
+    fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
+    layout = layout_pb2.Layout(
+        category=[
+            layout_pb2.Category(
+                title=title,
+                closed=not open_,
+                chart=[
+                    layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+                    for chart, regex in charts
+                ],
+            )
+            for title, open_, charts in LAYOUT
+        ]
+    )
+    tensor = TensorProto(dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
+    return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
+
+
+class Scalars:
+    """The run's TensorBoard directory, ``tb_dir(run_dir)``, with the chart layout; written on rank 0,
+    a no-op on the other ranks (they gather their numbers to rank 0).
+
+    Opened at the first write, so a run that fails before it logs anything leaves no TensorBoard run.
+    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from. Its first
+    write keeps every point the run logged up to there, on every tag (the time axis by its own unit), and
+    drops what the interrupted run logged after it. TensorBoard's own purge_step cannot do this: it drops
+    every step above it on every tag, the time axis's milliseconds included, and a resume that fails
+    after it was written would hide the history for good.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
+        self.directory = tb_dir(run_dir)
+        self.rank = rank
+        self.resumed_at = resumed_at
+        self._writer: SummaryWriter | None = None
+
+    @property
+    def writer(self) -> SummaryWriter | None:
+        if self.rank != 0 or self._writer is not None:
+            return self._writer
+        old = sorted(self.directory.glob("events.out.tfevents.*")) if self.resumed_at else []
+        kept = _events_up_to(old, *self.resumed_at) if old else []
+        self._writer = SummaryWriter(str(self.directory))
+        if not kept:
+            self._writer.file_writer.add_summary(custom_scalars_summary())
+        for event in kept:  # the layout among them
+            self._writer.file_writer.add_event(event, walltime=event.wall_time)
+        self._writer.flush()
+        for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
+            path.unlink()
+        return self._writer
+
+    def add(self, step: int, **tags: float) -> None:
+        """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
+        if self.writer is None:
+            return
+        for tag, value in tags.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def hparams(self, params: dict, metric_tags: list[str]) -> None:
+        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag.
+
+        Written into this directory (SummaryWriter.add_hparams would open a new one), so the metrics
+        are the scalars already logged here.
+        """
+        if self.writer is None:
+            return
+        for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
+            self.writer.file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
+
+
+def _events_up_to(paths: list[Path], step: int, train_ms: float) -> list:
+    """The events of ``paths`` but the scalars logged after ``step`` (after ``train_ms`` on the time axis)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    kept = []
+    for path in paths:
+        for record in RawEventFileLoader(str(path)).Load():  # as written: EventFileLoader rewrites scalars
+            event = Event.FromString(record)
+            if event.HasField("file_version"):  # the new file has its own
+                continue
+            scalars = [v.tag for v in event.summary.value if v.WhichOneof("value") == "simple_value"]
+            if any(event.step > (train_ms if tag in TIME_AXIS else step) for tag in scalars):
+                continue
+            kept.append(event)
+    return kept
