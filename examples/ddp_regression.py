@@ -82,7 +82,8 @@ def worker(rank: int, world_size: int) -> None:
             raise RuntimeError(
                 f"did not learn: test MSE {mse:.4f} is above {variance / 10:.4f}, or the replicas differ"
             )
-    dist.destroy_process_group()
+    dist.barrier()  # ADDED FOR DISTRIBUTED: leave together: gloo may abort a rank whose peer left early
+    dist.destroy_process_group()  # ADDED FOR DISTRIBUTED
 
 
 if __name__ == "__main__":  # spawn starts fresh interpreters, which import this file without running this
