@@ -2,7 +2,7 @@
 
 It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the
 network: the parent prepared the data before this process existed. A resumed run reads its checkpoint
-once, in ``train``; ``build`` puts the weights into the plain model and ``restore`` the rest. What one
+once, in ``train``; ``build`` puts the weights into the plain model and ``resume.restore`` the rest. What one
 step computes (the optimizer step, evaluation) is in mnist_dist/step.py; this module runs the loop.
 """
 
@@ -37,12 +37,13 @@ from mnist_dist.metrics import (
     state_bytes,
 )
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.parallel import state, unwrap
+from mnist_dist.parallel import unwrap
 from mnist_dist.parallel.buffers import buffers_from_rank0
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
+from mnist_dist.resume import diverged_advice, restore, save_checkpoint
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
-from mnist_dist.step import TrainingDiverged, check_finite, evaluate, first_non_finite, train_step
+from mnist_dist.step import TrainingDiverged, check_finite, evaluate, train_step
 from mnist_dist.tensorboard import Scalars
 from mnist_dist.topology import Topology
 
@@ -189,18 +190,6 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     return model
 
 
-def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state and position into ``run``."""
-    state.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
-    run.scheduler.load_state_dict(resumed["scheduler"])
-    run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-    run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
-    checkpoint.restore_rng(resumed["rng"], run.topology.rank)
-    restore_meters(run, resumed["meters"])
-    run.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
-    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
-
-
 def run_epoch(run: Run, epoch: int) -> None:
     """One pass over the training set: this rank's share of every global batch, in the epoch's order."""
     cfg, rank = run.cfg, run.topology.rank
@@ -310,74 +299,6 @@ def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
         100 * run.test_accuracy,
         epoch_seconds,
     )
-
-
-def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
-    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next
-    (a collective: every rank's random state is gathered). Never from unchecked weights: the divergence
-    check runs every ``log_every`` steps and checkpoints at their own steps, so the losses since the last
-    check are checked here, and rank 0 checks the weights it writes (a step's update can diverge while its
-    loss was finite)."""
-    if run.window_losses:
-        check_finite(torch.stack(run.window_losses), run.step, run.topology.rank, diverged_advice(run))
-    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
-    rng = checkpoint.rng_states_of_all_ranks()
-    meters = checkpoint.gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
-    model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
-    if run.topology.rank == 0:
-        poisoned = first_non_finite(model_state)
-        if poisoned:
-            raise TrainingDiverged(
-                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {diverged_advice(run)}"
-            )
-        saved = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.precision.scaler.state_dict(),
-            "epoch": epoch,
-            "epoch_step": epoch_step,
-            "step": run.step,
-            "rng": rng,
-            "meters": meters,
-            "world_size": run.topology.world_size,
-            "config": run.config_yaml,
-            "format": checkpoint.FORMAT,
-        }
-        checkpoint.save_kept(saved, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
-    run.good_checkpoint = (run.run_dir / "checkpoint.pt", run.step)
-
-
-def diverged_advice(run: Run) -> str:
-    """What a divergence error says to do; the checkpoint it names was checked before it was written."""
-    if run.good_checkpoint is None:
-        return "lower optim.lr or check the data (no checkpoint was written before it)"
-    path, step = run.good_checkpoint
-    return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
-
-
-def meters_of(run: Run, mid_epoch: bool) -> dict:
-    """What this rank has counted so far, for a resumed run to go on counting: its clocks, its images and
-    seconds, and mid-epoch the losses of the log window a checkpoint splits."""
-    return {
-        "train_s": run.train_clock.read(),  # mid-epoch it is running
-        "eval_s": run.eval_clock.read(),
-        "images": run.throughput.total_images,
-        "images_s": run.throughput.total_seconds,
-        "window_losses": [loss.item() for loss in run.window_losses] if mid_epoch else [],
-    }
-
-
-def restore_meters(run: Run, by_rank: list[dict]) -> None:
-    """A resumed run's clocks go on from rank 0's; each rank's counts and split log window from its own, on
-    as many ranks as the checkpoint's (on another number, each rank's share is another: they start anew)."""
-    run.train_clock.seconds, run.eval_clock.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
-    if len(by_rank) != run.topology.world_size:
-        return
-    meters = by_rank[run.topology.rank]
-    run.throughput.total_images, run.throughput.total_seconds = meters["images"], meters["images_s"]
-    device = run.train_x.device
-    run.window_losses = [torch.tensor(loss, device=device) for loss in meters["window_losses"]]
 
 
 def log_window(run: Run, loss: float) -> None:
