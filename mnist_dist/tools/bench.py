@@ -2,7 +2,8 @@
 
     python -m mnist_dist.tools.bench                      # defaults: < 10 minutes on a 2-core CPU
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
-    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % on Fashion-MNIST (time_to_accuracy.py)
+    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % on Fashion-MNIST (time_to_accuracy.py)
+    python -m mnist_dist.tools.bench --ablation           # recipe=fast's choices, one at a time (ablation.py)
 
 Every case is a fresh process training the same convnet on the same generated data (so no
 download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
@@ -34,7 +35,7 @@ from mnist_dist import machine
 from mnist_dist.metrics import state_bytes, synchronize
 from mnist_dist.precision import Precision
 from mnist_dist.step import train_step
-from mnist_dist.tools import time_to_accuracy
+from mnist_dist.tools import ablation, time_to_accuracy
 from mnist_dist.tools.run import train_in_subprocess
 from mnist_dist.tools.synthetic import write_idx
 
@@ -280,12 +281,21 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     }
 
 
+def fractions(text: str) -> list[float]:
+    """``0.91,0.92`` -> [0.91, 0.92], sorted; argparse turns a ValueError into one line."""
+    values = sorted(float(value) for value in text.split(","))
+    if not all(0 < value <= 1 for value in values):
+        raise ValueError(text)
+    return values
+
+
 def tta_settings(args: argparse.Namespace) -> dict:
     cases = [case for case in args.cases.split(",") if case in time_to_accuracy.CASES] or list(time_to_accuracy.CASES)
     return {
         **{
-            key: getattr(args, key) for key in ("device", "gpus", "target", "seeds", "eval_every", "dataset", "classic")
+            key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")
         },
+        "targets": args.targets,
         "cases": cases,
         "data": args.data_dir,
         "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
@@ -303,13 +313,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
-    tta = parser.add_argument_group("time to accuracy (mnist_dist/time_to_accuracy.py)")
-    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --target, per mode and seed")
-    tta.add_argument("--target", type=float, default=0.91, help="test accuracy to reach (fraction)")
+    tta = parser.add_argument_group("time to accuracy (tools/time_to_accuracy.py, tools/ablation.py)")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --targets, per mode and seed")
+    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="test accuracies to reach; stops at the highest")
     tta.add_argument("--seeds", type=int, default=3, help="seeds 1..N, modes interleaved")
     tta.add_argument("--eval-every", type=int, default=47, help="steps between exact evaluations")
     tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
     tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
+    tta.add_argument("--ablation", action="store_true", help="recipe=fast's choices one at a time (ablation.py)")
+    tta.add_argument("--variants", default=",".join(ablation.VARIANTS), help="comma-separated ablation variants")
     tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -319,6 +331,12 @@ def main() -> int:
         device = torch.device(args.device)
         print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup, device)))
         return 0
+    if args.ablation:
+        variants = args.variants.split(",")
+        unknown = sorted(set(variants) - set(ablation.VARIANTS))
+        if unknown:
+            sys.exit(f"bench: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(ablation.VARIANTS)}")
+        return ablation.run({**tta_settings(args), "variants": variants}, args.out)
     if args.time_to_accuracy:
         return time_to_accuracy.run(tta_settings(args), args.out)
     chosen = args.cases.split(",")
