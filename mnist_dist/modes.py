@@ -206,12 +206,18 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
 
 
 def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return TorchDDP(
+    wrapped = TorchDDP(
         _sync_batchnorm(model, mode, device),
         device_ids=[device] if device.type == "cuda" else None,
         find_unused_parameters=mode.find_unused_parameters,
         bucket_cap_mb=mode.bucket_cap_mb,
     )
+    if device.type == "cpu":
+        # torch's backward counters (results.json ddp_backward_ms) average its first 10 iterations, then every
+        # 100th: in a bench run, the warm-up. Ours average every synchronised backward. On a CPU a sample is a
+        # clock read, so torch samples every one too; on CUDA reading a sample waits for its events.
+        wrapped._set_ddp_runtime_logging_sample_rate(1)
+    return wrapped
 
 
 def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:
