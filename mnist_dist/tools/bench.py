@@ -93,7 +93,7 @@ def report(samples: dict[str, list[dict]]) -> dict:
             **summarize(values),
             "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case]),
             "model_state_mib": max(max(run["model_state_mib"]) for run in samples[case]),
-            "ddp_backward_ms": _median_counters(samples[case]),
+            "ddp_backward_ms": median_counters(samples[case]),
         }
         for case, values in speed.items()
     }
@@ -126,7 +126,7 @@ def report(samples: dict[str, list[dict]]) -> dict:
     return {"cases": cases, "comparisons": comparisons}
 
 
-def _median_counters(runs: list[dict]) -> dict[str, float] | None:
+def median_counters(runs: list[dict]) -> dict[str, float] | None:
     """Each of the wrapper's backward counters, the median over the runs (None outside ddp modes)."""
     counters = [run["ddp_backward_ms"] for run in runs if run.get("ddp_backward_ms")]
     if not counters:
@@ -238,38 +238,24 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, dev
 
 
 def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
-    base = [sys.executable, "-m", "mnist_dist.tools.bench"]
-    if CASES[case] is None:
-        command = [
-            *base,
-            "--measure",
-            case,
-            "--data",
-            str(work / "data" / "MNIST" / "raw"),
-            "--batch",
-            str(settings["batch"]),
-            "--steps",
-            str(settings["steps"]),
-            "--warmup",
-            str(settings["warmup"]),
-            "--device",
-            settings["device"],
-        ]
-        return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    overrides = [
-        *CASES[case],
-        f"gpus={settings['gpus']}",
-        f"device={settings['device']}",
-        f"data.root={work / 'data'}",
-        "data.mirrors=[]",
-        "epochs=1",
-        f"batch_size={settings['batch']}",
-        f"warmup_steps={settings['warmup']}",
+    if CASES[case] is not None:
+        return run_trainer(case, CASES[case], work, settings, round_)
+    command = [
+        *(sys.executable, "-m", "mnist_dist.tools.bench", "--measure", case),
+        *("--data", str(work / "data" / "MNIST" / "raw"), "--device", settings["device"]),
+        *("--batch", str(settings["batch"]), "--steps", str(settings["steps"]), "--warmup", str(settings["warmup"])),
     ]
+    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+
+
+def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, round_: int) -> dict:
+    """``python -m mnist_dist <overrides>`` on the bench's data and settings (runs/<name>_<round_>); its numbers."""
+    where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
+    shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
     try:
-        results = train_in_subprocess(overrides, work / "runs" / f"{case}_{round_}")
+        results = train_in_subprocess([*overrides, *where, *shape], work / "runs" / f"{name}_{round_}")
     except RuntimeError as error:
-        sys.exit(f"bench: {case} failed: {error}")
+        sys.exit(f"bench: {name} failed: {error}")
     return {
         "images_per_s": results["train_images_per_s"],
         "peak_rss_mib": results["peak_rss_mib"],
@@ -278,6 +264,15 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
         "ddp_backward_ms": results["ddp_backward_ms"],
         "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
     }
+
+
+def prepare_work(settings: dict) -> Path:
+    """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
+    step after warm-up, which the trainer's clock also skips)."""
+    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
+    n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
+    write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
+    return work
 
 
 def tta_settings(args: argparse.Namespace) -> dict:
@@ -293,7 +288,7 @@ def tta_settings(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the ddp cases")
@@ -313,7 +308,11 @@ def main() -> int:
     tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.measure:
         root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
         device = torch.device(args.device)
@@ -326,29 +325,33 @@ def main() -> int:
     if unknown:
         sys.exit(f"bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "steps", "warmup", "repeats")}
-    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
-    # One epoch = warm-up + timed steps (the trainer's clock also skips the first step after warm-up).
-    write_idx(work / "data" / "MNIST" / "raw", n_train=(args.warmup + args.steps + 1) * args.batch, n_test=500)
+    return run_bench(chosen, settings, args.out)
+
+
+def run_bench(chosen: list[str], settings: dict, out: Path) -> int:
+    """Every chosen case, group by group, rounds interleaved within a group; bench.md, bench.json, bench.png."""
+    work = prepare_work(settings)
     samples: dict[str, list[dict]] = {case: [] for case in chosen}
     for group in GROUPS:
         group = [case for case in group if case in chosen]
-        for round_ in range(args.repeats):
+        for round_ in range(settings["repeats"]):
             for case in group:
                 samples[case].append(run_case(case, work, settings, round_))
                 print(
-                    f"round {round_ + 1}/{args.repeats} {case}: {samples[case][-1]['images_per_s']:,.0f} images/s",
+                    f"round {round_ + 1}/{settings['repeats']} {case}: "
+                    f"{samples[case][-1]['images_per_s']:,.0f} images/s",
                     flush=True,
                 )
     result = report(samples)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     info = machine.describe()
     table = markdown(result, settings, info)
-    (args.out / "bench.md").write_text(table)
-    (args.out / "bench.json").write_text(
+    (out / "bench.md").write_text(table)
+    (out / "bench.json").write_text(
         json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n"
     )
-    chart(result, args.out / "bench.png")
-    print("\n" + table + f"\nwrote {args.out}/bench.md, bench.json, bench.png")
+    chart(result, out / "bench.png")
+    print("\n" + table + f"\nwrote {out}/bench.md, bench.json, bench.png")
     return 0
 
 
