@@ -3,6 +3,7 @@
     python -m mnist_dist.tools.bench                      # defaults: < 10 minutes on a 2-core CPU
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
     python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % on Fashion-MNIST (time_to_accuracy.py)
+    python -m mnist_dist.tools.bench --bucket-sweep       # both DDPs over bucket sizes (bucket_sweep.py)
 
 Every case is a fresh process training the same convnet on the same generated data (so no
 download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
@@ -325,9 +326,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the ddp cases")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 150; --bucket-sweep: its own)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds (default 3; --bucket-sweep: its own)")
     parser.add_argument("--cases", help="comma-separated subset (default: every case that means something here)")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
     tta = parser.add_argument_group("time to accuracy (mnist_dist/time_to_accuracy.py)")
@@ -338,9 +339,18 @@ def parse_args() -> argparse.Namespace:
     tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
     tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
     tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
+    sweep = parser.add_argument_group("bucket sizes (mnist_dist/tools/bucket_sweep.py)")
+    sweep.add_argument("--bucket-sweep", action="store_true", help="ddp and torch_ddp over bucket sizes")
+    sweep.add_argument("--sizes", help="bucket sizes in MB (MiB), comma-separated (default 0.05,0.25,1,4,25)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+def run_settings(args: argparse.Namespace, steps: int, repeats: int) -> dict:
+    """What every run is given; ``steps`` and ``repeats`` where the command line gives none."""
+    given = {key: getattr(args, key) for key in ("device", "gpus", "batch", "warmup")}
+    return {**given, "steps": args.steps or steps, "repeats": args.repeats or repeats}
 
 
 def main() -> int:
@@ -352,11 +362,15 @@ def main() -> int:
         return 0
     if args.time_to_accuracy:
         return time_to_accuracy.run(tta_settings(args), args.out)
+    if args.bucket_sweep:
+        from mnist_dist.tools import bucket_sweep  # it builds on this module's runs and arithmetic
+
+        settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
+        return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out)
     chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])
     for case, why in skipped.items():
         print(f"skipped {case}: {why}", flush=True)
-    settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "steps", "warmup", "repeats")}
-    return run_bench(chosen, skipped, settings, args.out)
+    return run_bench(chosen, skipped, run_settings(args, 150, 3), args.out)
 
 
 def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path) -> int:
