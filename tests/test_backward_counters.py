@@ -147,8 +147,8 @@ def test_torch_ddp_on_cpu_samples_every_backward_as_ours_does(ranks):
 
 
 def test_bucket_cap_mb_reaches_torch_ddp(ranks):
-    # The convnet's gradients: fc1 4.72 MB, the rest 0.08 MB. torch's default caps the first bucket at
-    # 1 MB (then 25); an explicit 25 caps every bucket, so one; 0.05 MB splits the convolutions too.
+    # The convnet's gradients in bytes: fc1 and fc2 4,724,264, the convolutions 75,264. torch's default caps
+    # the first bucket at 1 MiB (then 25); an explicit 25 caps every bucket, so one; 0.05 splits the convolutions.
     assert ranks["buckets None"][0] == [4_724_264, 75_264]
     assert ranks["buckets 25.0"][0] == [4_799_528]
     assert len(ranks["buckets 0.05"][0]) == 3 and ranks["buckets 0.05"][0] == ranks["buckets 0.05"][1]
