@@ -57,8 +57,10 @@ class SplitMode:
 
 
 @dataclass
-class TorchDDPMode:
-    name: str = "torch_ddp"
+class ReplicatedMode:
+    """What both DDPs share: one process per device, each with the whole model, gradients averaged."""
+
+    name: str
     find_unused_parameters: bool = False  # allow parameters that get no gradient
     # BatchNorm layers normalise with the statistics of the global batch instead of each rank's share, at
     # the cost of a collective per layer in forward and in backward: then ddp computes what single does.
@@ -68,7 +70,15 @@ class TorchDDPMode:
 
 
 @dataclass
-class DDPMode(TorchDDPMode):
+class TorchDDPMode(ReplicatedMode):
+    name: str = "torch_ddp"
+    # MiB per all-reduce bucket (torch's bucket_cap_mb). null: torch's default, 25 with the first bucket capped
+    # at 1 so that it starts early; a number caps every bucket, the first too (25: this convnet in one bucket).
+    bucket_cap_mb: float | None = None
+
+
+@dataclass
+class DDPMode(ReplicatedMode):
     name: str = "ddp"
     # Elements per all-reduce bucket (1M = 4 MB of fp32). Smaller buckets start communicating earlier
     # in backward, larger ones send fewer messages. apex used 10M, which puts this convnet's 1.2M
@@ -175,7 +185,7 @@ def _split(model: nn.Module, mode: SplitMode, device: torch.device, gpus: int) -
         raise ConfigError(error.args[0]) from None
 
 
-def _sync_batchnorm(model: nn.Module, mode: TorchDDPMode, device: torch.device) -> nn.Module:
+def _sync_batchnorm(model: nn.Module, mode: ReplicatedMode, device: torch.device) -> nn.Module:
     model = model.to(device)
     if not mode.sync_batchnorm:
         return model
@@ -196,11 +206,18 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
 
 
 def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return TorchDDP(
+    wrapped = TorchDDP(
         _sync_batchnorm(model, mode, device),
         device_ids=[device] if device.type == "cuda" else None,
         find_unused_parameters=mode.find_unused_parameters,
+        bucket_cap_mb=mode.bucket_cap_mb,
     )
+    if device.type == "cpu":
+        # torch's backward counters (results.json ddp_backward_ms) average its first 10 iterations, then every
+        # 100th: in a bench run, the warm-up. Ours average every synchronised backward. On a CPU a sample is a
+        # clock read, so torch samples every one too; on CUDA reading a sample waits for its events.
+        wrapped._set_ddp_runtime_logging_sample_rate(1)
+    return wrapped
 
 
 def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:

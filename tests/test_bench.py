@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import assert_machine_fields
 
-from mnist_dist.tools.bench import markdown, paired_ratio, report
+from mnist_dist.tools.bench import CASES, choose, markdown, paired_ratio, report, skips
 
 
 def run(speed, comm=0.0, counters=None):
@@ -66,6 +66,42 @@ def test_report_medians_targets_and_exposed_communication():
     assert "| ddp: exposed communication | 6.9% | 4.8% – 9.1% | ≤ 5% | **no** |" in table
     # both DDPs on the counters torch DDP keeps, side by side
     assert "| ddp | 7.5 | 2.8 | 2.0 | 0.8 |" in table and "| torch_ddp | 7.5 | 4.0 | 3.5 | 0.5 |" in table
+
+
+EMULATED = "bf16 is emulated"
+
+
+@pytest.mark.parametrize(
+    "device, flags, skipped",
+    [
+        ("cpu", [], True),  # the 2-core EPYC where single_bf16 ran at 79 images/s
+        ("cpu", ["amx_tile"], True),  # tiles without their bf16 multiply
+        ("cpu", ["avx512_bf16"], False),
+        ("cpu", ["amx_bf16", "amx_tile"], False),
+        ("cuda", [], False),  # the GPU computes, not this CPU
+    ],
+)
+def test_bf16_is_skipped_only_on_a_cpu_that_emulates_it(device, flags, skipped):
+    assert ("single_bf16" in skips(device, flags)) is skipped
+    assert set(skips(device, flags)) <= {"single_bf16"}
+    chosen, why = choose(None, device, flags)
+    assert ("single_bf16" in chosen) is not skipped and set(chosen) | set(why) == set(CASES)
+    assert choose("single_bf16,single", device, flags) == (["single_bf16", "single"], {})  # named: it runs
+
+
+def test_a_skipped_case_is_noted_and_its_comparisons_say_why():
+    samples = {"single": [run(1200.0)], "single_ckpt100": [run(1100.0)]}
+    result = report(samples, skips("cpu", []))
+    rows = {row["name"]: row for row in result["comparisons"]}
+    assert rows["single_bf16 / single"]["kind"] == "skipped" and EMULATED in rows["single_bf16 / single"]["why"]
+    assert rows["single_ckpt100 / single"]["median"] == pytest.approx(1100 / 1200)
+    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
+    info.update(memory_gib=23.5, torch="2.14.1")
+    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 1, "gpus": 2}, info)
+    why = skips("cpu", [])["single_bf16"]
+    assert f"\n\nskipped single_bf16: {why}\n\n| case |" in table
+    assert f"| single_bf16 / single | skipped: {why} | | | |" in table
+    assert "single_bf16 |" not in table.split("| comparison |")[0]  # no row for what did not run
 
 
 @pytest.mark.slow

@@ -106,6 +106,18 @@ def test_composition_errors_are_one_line(override, expected):
 
 
 @pytest.mark.parametrize(
+    "mode, own, other", [("ddp", "message_size", "bucket_cap_mb"), ("torch_ddp", "bucket_cap_mb", "message_size")]
+)
+def test_each_ddp_has_its_own_bucket_size_and_both_the_shared_knobs(make_config, mode, own, other):
+    shared = ("mode.find_unused_parameters=true", "mode.sync_batchnorm=true")
+    cfg = make_config(f"mode={mode}", f"mode.{own}=4", *shared)
+    assert (getattr(cfg.mode, own), cfg.mode.find_unused_parameters, cfg.mode.sync_batchnorm) == (4, True, True)
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
+        compose("config", overrides=[f"mode={mode}", f"mode.{other}=4"])
+    assert f"Key '{other}' not in" in describe_hydra_error(error.value)
+
+
+@pytest.mark.parametrize(
     "overrides, expected",
     [
         (  # docs/CONVERTING.md's ~model.dropout, with a recipe whose model has none
@@ -151,6 +163,10 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
         (["gpus=0"], "gpus=0 must be at least 1"),
         (["epochs=-1"], "epochs=-1 must be at least 1"),
         (["optim.lr=0"], "optim.lr=0.0 must be a finite positive number"),
+        (
+            ["mode=torch_ddp", "mode.bucket_cap_mb=0"],
+            "mode.bucket_cap_mb=0.0 must be positive (MiB), or null: torch's default",
+        ),
     ],
 )
 def test_invalid_numbers_are_named(make_config, overrides, expected):

@@ -23,7 +23,7 @@ from mnist_dist.tools.docs_numbers import ROOT, embed, main
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-BLOCKS = ("bench.md", "compare.md", "tta.md")
+BLOCKS = ("bench.md", "compare.md", "tta.md", "sweep.md")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 PLACEHOLDER = re.compile(r"<[^>]*>|my_pkg|\$")  # <run dir>, your own package, a shell variable
 
@@ -105,30 +105,35 @@ def test_each_number_block_lives_in_exactly_one_page():
 
 
 def test_the_command_refreshes_the_blocks_in_the_readme_and_in_docs_pages(tmp_path):
-    for name in ("bench", "compare", "tta"):
+    for name in ("bench", "compare", "tta", "sweep"):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.md").write_text(f"machine: test\n\n| {name} |\n")
         if name != "tta":  # the time-to-accuracy table comes without a chart
-            (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG")
+            (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG " + name.encode())
     root = tmp_path / "repo"
     (root / "docs").mkdir(parents=True)
     (root / "README.md").write_text("# x\n\n<!-- begin compare.md -->\nold\n<!-- end compare.md -->\n")
-    (root / "docs" / "performance.md").write_text("a\n<!-- begin bench.md -->\nold\n<!-- end bench.md -->\nb\n")
+    (root / "docs" / "performance.md").write_text(
+        "a\n<!-- begin bench.md -->\nold\n<!-- end bench.md -->\nb\n"
+        "<!-- begin sweep.md -->\nold\n<!-- end sweep.md -->\n"
+    )
     (root / "docs" / "time.md").write_text("<!-- begin tta.md -->\nold\n<!-- end tta.md -->\n")
     (root / "docs" / "other.md").write_text("no markers here\n")
-    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta")]
+    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta", "sweep")]
     assert main([*dirs, "--root", str(root)]) == 0
     assert (root / "README.md").read_text() == (
         "# x\n\n<!-- begin compare.md -->\nmachine: test\n\n| compare |\n<!-- end compare.md -->\n"
     )
     assert (root / "docs" / "performance.md").read_text() == (
         "a\n<!-- begin bench.md -->\nmachine: test\n\n| bench |\n<!-- end bench.md -->\nb\n"
+        "<!-- begin sweep.md -->\nmachine: test\n\n| sweep |\n<!-- end sweep.md -->\n"
     )
     assert (root / "docs" / "time.md").read_text() == (
         "<!-- begin tta.md -->\nmachine: test\n\n| tta |\n<!-- end tta.md -->\n"
     )
     assert (root / "docs" / "other.md").read_text() == "no markers here\n"
-    assert (root / "docs" / "compare.png").read_bytes() == (root / "docs" / "bench.png").read_bytes() == b"\x89PNG"
+    for name, chart in (("bench", "bench.png"), ("compare", "compare.png"), ("sweep", "bucket-sweep.png")):
+        assert (root / "docs" / chart).read_bytes() == b"\x89PNG " + name.encode()
 
 
 def test_every_module_the_docs_run_exists():

@@ -81,9 +81,11 @@ def run(settings: dict, out: Path) -> int:
     for seed in range(1, settings["seeds"] + 1):
         for name in settings["variants"]:
             run_dir = settings["work"] / "runs" / f"{name}_seed{seed}"
-            results = train(["mode=single", "recipe=fast", every, f"seed={seed}", *VARIANTS[name][0]], run_dir, settings)
-            samples[name].append({**results, "accuracy_within_budget": accuracy_at(run_dir, BUDGET_S)})
-            print(f"seed {seed} {name}: {samples[name][-1]['accuracy_within_budget']} within {BUDGET_S:.0f} s", flush=True)
+            overrides = ["mode=single", "recipe=fast", every, f"seed={seed}", *VARIANTS[name][0]]
+            results = train(overrides, run_dir, settings)
+            within = accuracy_at(run_dir, BUDGET_S)
+            samples[name].append({**results, "accuracy_within_budget": within})
+            print(f"seed {seed} {name}: {within} test accuracy within {BUDGET_S:.0f} s", flush=True)
     rows = summarize(samples)
     load = f"{load_before} before, {loadavg()} after"
     info = machine.describe()

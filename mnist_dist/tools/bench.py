@@ -2,13 +2,16 @@
 
     python -m mnist_dist.tools.bench                      # defaults: < 10 minutes on a 2-core CPU
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
-    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % on Fashion-MNIST (time_to_accuracy.py)
+    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % (time_to_accuracy.py)
     python -m mnist_dist.tools.bench --ablation           # recipe=fast's choices, one at a time (ablation.py)
+    python -m mnist_dist.tools.bench --bucket-sweep       # both DDPs over bucket sizes (bucket_sweep.py)
 
 Every case is a fresh process training the same convnet on the same generated data (so no
 download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
 counted. Cases that are compared run interleaved (A B A B ...), so drift in the machine's speed hits
-both; each ratio is the median of the per-round ratios. Writes bench.md, bench.json and bench.png.
+both; each ratio is the median of the per-round ratios. By default a case that cannot mean anything on
+the machine (bf16 on a CPU that emulates it) is skipped, with a note; ``--cases`` runs what it names.
+Writes bench.md, bench.json and bench.png.
 """
 
 from __future__ import annotations
@@ -77,6 +80,25 @@ COMPARISONS = [
 EXPOSED_COMM_TARGET = 0.05  # ddp: share of the step spent waiting for the all-reduce after backward
 
 
+def skips(device: str, cpu_flags: list[str]) -> dict[str, str]:
+    """The cases a default run leaves out on this machine, each with why (``--cases`` still runs them)."""
+    if device == "cpu" and not machine.native_bf16(cpu_flags):
+        # Emulated bf16 ran at 80 images/s against 579 for fp32 on a 2-core EPYC: minutes for a known answer.
+        return {"single_bf16": "no avx512_bf16 or amx_bf16 on this CPU: bf16 is emulated, several times slower"}
+    return {}
+
+
+def choose(cases: str | None, device: str, cpu_flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(cases to run, skipped cases with why): ``--cases`` as given, else every case that means something here."""
+    if not cases:
+        skipped = skips(device, cpu_flags)
+        return [case for case in CASES if case not in skipped], skipped
+    unknown = sorted(set(cases.split(",")) - set(CASES))
+    if unknown:
+        sys.exit(f"bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    return cases.split(","), {}
+
+
 def summarize(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
 
@@ -86,21 +108,27 @@ def paired_ratio(case: list[float], baseline: list[float]) -> dict:
     return summarize([a / b for a, b in zip(case, baseline)])
 
 
-def report(samples: dict[str, list[dict]]) -> dict:
-    """The numbers behind the tables, from every run's measurement."""
+def report(samples: dict[str, list[dict]], skipped: dict[str, str] | None = None) -> dict:
+    """The numbers behind the tables, from every run's measurement; ``skipped``: case -> why it did not run."""
+    skipped = skipped or {}
     speed = {case: [run["images_per_s"] for run in runs] for case, runs in samples.items()}
     cases = {
         case: {
             **summarize(values),
             "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case]),
             "model_state_mib": max(max(run["model_state_mib"]) for run in samples[case]),
-            "ddp_backward_ms": _median_counters(samples[case]),
+            "ddp_backward_ms": median_counters(samples[case]),
         }
         for case, values in speed.items()
     }
     comparisons = []
     for case, baseline, target, question in COMPARISONS:
-        if case in speed and baseline in speed:
+        why = skipped.get(case) or skipped.get(baseline)
+        if why:
+            comparisons.append(
+                {"name": f"{case} / {baseline}", "question": question, "kind": "skipped", "why": why, "target": target}
+            )
+        elif case in speed and baseline in speed:
             ratio = paired_ratio(speed[case], speed[baseline])
             comparisons.append(
                 {
@@ -124,10 +152,10 @@ def report(samples: dict[str, list[dict]]) -> dict:
                 "met": statistics.median(shares) <= EXPOSED_COMM_TARGET,
             }
         )
-    return {"cases": cases, "comparisons": comparisons}
+    return {"cases": cases, "comparisons": comparisons, "skipped": skipped}
 
 
-def _median_counters(runs: list[dict]) -> dict[str, float] | None:
+def median_counters(runs: list[dict]) -> dict[str, float] | None:
     """Each of the wrapper's backward counters, the median over the runs (None outside ddp modes)."""
     counters = [run["ddp_backward_ms"] for run in runs if run.get("ddp_backward_ms")]
     if not counters:
@@ -162,6 +190,7 @@ def markdown(result: dict, settings: dict, machine_info: dict) -> str:
         f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
         f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
         "",
+        *(line for case, why in result.get("skipped", {}).items() for line in (f"skipped {case}: {why}", "")),
         "| case | images/s (median) | min – max | peak RSS per rank (MiB) | model state per rank (MiB) |",
         "|---|---|---|---|---|",
     ]
@@ -172,6 +201,9 @@ def markdown(result: dict, settings: dict, machine_info: dict) -> str:
         )
     lines += ["", "| comparison | ratio (median) | min – max | target | met |", "|---|---|---|---|---|"]
     for row in result["comparisons"]:
+        if row["kind"] == "skipped":
+            lines.append(f"| {row['name']} | skipped: {row['why']} | | | |")
+            continue
         share = row["kind"] == "share"
         target = "" if row["target"] is None else (f"≤ {row['target']:.0%}" if share else f"≥ {row['target']:.2f}")
         value = (
@@ -239,38 +271,24 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, dev
 
 
 def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
-    base = [sys.executable, "-m", "mnist_dist.tools.bench"]
-    if CASES[case] is None:
-        command = [
-            *base,
-            "--measure",
-            case,
-            "--data",
-            str(work / "data" / "MNIST" / "raw"),
-            "--batch",
-            str(settings["batch"]),
-            "--steps",
-            str(settings["steps"]),
-            "--warmup",
-            str(settings["warmup"]),
-            "--device",
-            settings["device"],
-        ]
-        return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    overrides = [
-        *CASES[case],
-        f"gpus={settings['gpus']}",
-        f"device={settings['device']}",
-        f"data.root={work / 'data'}",
-        "data.mirrors=[]",
-        "epochs=1",
-        f"batch_size={settings['batch']}",
-        f"warmup_steps={settings['warmup']}",
+    if CASES[case] is not None:
+        return run_trainer(case, CASES[case], work, settings, round_)
+    command = [
+        *(sys.executable, "-m", "mnist_dist.tools.bench", "--measure", case),
+        *("--data", str(work / "data" / "MNIST" / "raw"), "--device", settings["device"]),
+        *("--batch", str(settings["batch"]), "--steps", str(settings["steps"]), "--warmup", str(settings["warmup"])),
     ]
+    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+
+
+def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, round_: int) -> dict:
+    """``python -m mnist_dist <overrides>`` on the bench's data and settings (runs/<name>_<round_>); its numbers."""
+    where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
+    shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
     try:
-        results = train_in_subprocess(overrides, work / "runs" / f"{case}_{round_}")
+        results = train_in_subprocess([*overrides, *where, *shape], work / "runs" / f"{name}_{round_}")
     except RuntimeError as error:
-        sys.exit(f"bench: {case} failed: {error}")
+        sys.exit(f"bench: {name} failed: {error}")
     return {
         "images_per_s": results["train_images_per_s"],
         "peak_rss_mib": results["peak_rss_mib"],
@@ -289,12 +307,20 @@ def fractions(text: str) -> list[float]:
     return values
 
 
+def prepare_work(settings: dict) -> Path:
+    """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
+    step after warm-up, which the trainer's clock also skips)."""
+    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
+    n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
+    write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
+    return work
+
+
 def tta_settings(args: argparse.Namespace) -> dict:
-    cases = [case for case in args.cases.split(",") if case in time_to_accuracy.CASES] or list(time_to_accuracy.CASES)
+    chosen = (args.cases or "").split(",")
+    cases = [case for case in chosen if case in time_to_accuracy.CASES] or list(time_to_accuracy.CASES)
     return {
-        **{
-            key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")
-        },
+        **{key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")},
         "targets": args.targets,
         "cases": cases,
         "data": args.data_dir,
@@ -303,19 +329,19 @@ def tta_settings(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the ddp cases")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 150; --bucket-sweep: its own)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds (default 3; --bucket-sweep: its own)")
+    parser.add_argument("--cases", help="comma-separated subset (default: every case that means something here)")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
     tta = parser.add_argument_group("time to accuracy (tools/time_to_accuracy.py, tools/ablation.py)")
     tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --targets, per mode and seed")
-    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="test accuracies to reach; stops at the highest")
+    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="accuracies to reach; stops at the highest")
     tta.add_argument("--seeds", type=int, default=3, help="seeds 1..N, modes interleaved")
     tta.add_argument("--eval-every", type=int, default=47, help="steps between exact evaluations")
     tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
@@ -323,9 +349,22 @@ def main() -> int:
     tta.add_argument("--ablation", action="store_true", help="recipe=fast's choices one at a time (ablation.py)")
     tta.add_argument("--variants", default=",".join(ablation.VARIANTS), help="comma-separated ablation variants")
     tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
+    sweep = parser.add_argument_group("bucket sizes (mnist_dist/tools/bucket_sweep.py)")
+    sweep.add_argument("--bucket-sweep", action="store_true", help="ddp and torch_ddp over bucket sizes")
+    sweep.add_argument("--sizes", help="bucket sizes in MB (MiB), comma-separated (default 0.05,0.25,1,4,25)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def run_settings(args: argparse.Namespace, steps: int, repeats: int) -> dict:
+    """What every run is given; ``steps`` and ``repeats`` where the command line gives none."""
+    given = {key: getattr(args, key) for key in ("device", "gpus", "batch", "warmup")}
+    return {**given, "steps": args.steps or steps, "repeats": args.repeats or repeats}
+
+
+def main() -> int:
+    args = parse_args()
     if args.measure:
         root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
         device = torch.device(args.device)
@@ -339,34 +378,42 @@ def main() -> int:
         return ablation.run({**tta_settings(args), "variants": variants}, args.out)
     if args.time_to_accuracy:
         return time_to_accuracy.run(tta_settings(args), args.out)
-    chosen = args.cases.split(",")
-    unknown = sorted(set(chosen) - set(CASES))
-    if unknown:
-        sys.exit(f"bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "steps", "warmup", "repeats")}
-    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
-    # One epoch = warm-up + timed steps (the trainer's clock also skips the first step after warm-up).
-    write_idx(work / "data" / "MNIST" / "raw", n_train=(args.warmup + args.steps + 1) * args.batch, n_test=500)
+    if args.bucket_sweep:
+        from mnist_dist.tools import bucket_sweep  # it builds on this module's runs and arithmetic
+
+        settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
+        return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out)
+    chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])
+    for case, why in skipped.items():
+        print(f"skipped {case}: {why}", flush=True)
+    return run_bench(chosen, skipped, run_settings(args, 150, 3), args.out)
+
+
+def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path) -> int:
+    """Every chosen case, group by group, rounds interleaved within a group; bench.md, bench.json, bench.png."""
+    work, started = prepare_work(settings), time.monotonic()
     samples: dict[str, list[dict]] = {case: [] for case in chosen}
     for group in GROUPS:
         group = [case for case in group if case in chosen]
-        for round_ in range(args.repeats):
+        for round_ in range(settings["repeats"]):
             for case in group:
                 samples[case].append(run_case(case, work, settings, round_))
                 print(
-                    f"round {round_ + 1}/{args.repeats} {case}: {samples[case][-1]['images_per_s']:,.0f} images/s",
+                    f"round {round_ + 1}/{settings['repeats']} {case}: "
+                    f"{samples[case][-1]['images_per_s']:,.0f} images/s",
                     flush=True,
                 )
-    result = report(samples)
-    args.out.mkdir(parents=True, exist_ok=True)
+    result = report(samples, skipped)
+    out.mkdir(parents=True, exist_ok=True)
     info = machine.describe()
     table = markdown(result, settings, info)
-    (args.out / "bench.md").write_text(table)
-    (args.out / "bench.json").write_text(
+    (out / "bench.md").write_text(table)
+    (out / "bench.json").write_text(
         json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n"
     )
-    chart(result, args.out / "bench.png")
-    print("\n" + table + f"\nwrote {args.out}/bench.md, bench.json, bench.png")
+    chart(result, out / "bench.png")
+    minutes = (time.monotonic() - started) / 60
+    print("\n" + table + f"\nwrote {out}/bench.md, bench.json, bench.png ({minutes:.1f} minutes)")
     return 0
 
 

@@ -2,10 +2,12 @@
 
     python -m mnist_dist.tools.docs_numbers --bench outputs/bench/<time> --compare outputs/compare/<date>/<time>
     python -m mnist_dist.tools.docs_numbers --tta outputs/bench/<time>    # bench --time-to-accuracy's tta.md
+    python -m mnist_dist.tools.docs_numbers --sweep outputs/bench/<time>  # bench --bucket-sweep's sweep.md
 
 A page (README.md or any docs/*.md) marks a block with ``<!-- begin bench.md -->`` ... ``<!-- end bench.md -->``
-(and the same for compare.md and tta.md); everything between the two markers is replaced by that file,
-wherever the markers are, and the run's chart (bench.png, compare.png; tta.md has none) is copied to docs/.
+(and the same for compare.md, tta.md and sweep.md); everything between the two markers is replaced by that
+file, wherever the markers are, and the run's chart (bench.png, compare.png, sweep.png; tta.md has none) is
+copied to docs/ (sweep.png as docs/bucket-sweep.png).
 Measure on an idle machine: compare warns when it was not.
 """
 
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: README.md and docs/
+DOCS_CHARTS = {"sweep": "bucket-sweep.png"}  # a chart's name in docs/ where it is not the run's
 
 
 def embed(text: str, name: str, block: str) -> str:
@@ -38,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench", type=Path, help="a directory bench wrote (bench.md, bench.png)")
     parser.add_argument("--compare", type=Path, help="a directory compare wrote (compare.md, compare.png)")
     parser.add_argument("--tta", type=Path, help="a directory bench --time-to-accuracy wrote (tta.md)")
+    parser.add_argument("--sweep", type=Path, help="a directory bench --bucket-sweep wrote (sweep.md, sweep.png)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository (README.md, docs/)")
     args = parser.parse_args(argv)
     texts = {page: page.read_text() for page in pages(args.root) if page.exists()}
-    for name, directory in (("bench", args.bench), ("compare", args.compare), ("tta", args.tta)):
+    for name in ("bench", "compare", "tta", "sweep"):
+        directory = getattr(args, name)
         if directory is None:
             continue
         table = directory / f"{name}.md"
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for page in marked:
             texts[page] = embed(texts[page], f"{name}.md", table.read_text())
         if (directory / f"{name}.png").exists():
-            shutil.copyfile(directory / f"{name}.png", args.root / "docs" / f"{name}.png")
+            shutil.copyfile(directory / f"{name}.png", args.root / "docs" / DOCS_CHARTS.get(name, f"{name}.png"))
     for page, text in texts.items():
         if page.read_text() != text:
             page.write_text(text)

@@ -1,6 +1,6 @@
 """Time to accuracy: ``recipe=fast`` to target test accuracies in single, ddp and torch_ddp, over seeds.
 
-    python -m mnist_dist.tools.bench --time-to-accuracy            # Fashion-MNIST, 91 % and 92 %, 3 seeds, ddp on 2 ranks
+    python -m mnist_dist.tools.bench --time-to-accuracy    # Fashion-MNIST, 91 % and 92 %, 3 seeds, ddp on 2 ranks
     python -m mnist_dist.tools.bench --time-to-accuracy --targets 0.92 --seeds 5
 
 Every run is a fresh training process that evaluates exactly every ``--eval-every`` steps and stops at the
@@ -205,6 +205,7 @@ def run(settings: dict, out: Path) -> int:
     (out / "tta.md").write_text(table)
     saved = {"machine": info, "load": load, "settings": {k: str(v) for k, v in settings.items()}, **result}
     (out / "tta.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, default=str) + "\n")
-    chart(curves, targets, f"recipe=fast and classic on {settings['dataset']}, seed 1\n{machine.summary_line(info)}", out / "tta.png")
+    title = f"recipe=fast and classic on {settings['dataset']}, seed 1\n{machine.summary_line(info)}"
+    chart(curves, targets, title, out / "tta.png")
     print("\n" + table + f"\nwrote {out}/tta.md, tta.json, tta.png")
     return 0
