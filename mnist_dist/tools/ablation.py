@@ -13,6 +13,7 @@ and ablation.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -28,6 +29,20 @@ VARIANTS = {
     "no_smoothing": (["label_smoothing=0"], "no label smoothing"),
 }
 BUDGET_S = SINGLE_SECONDS_TARGET  # the accuracy that counts: what a minute of training gives
+
+
+def variants(text: str) -> list[str]:
+    """``all`` or comma-separated names of VARIANTS; argparse says a bad one in one line."""
+    names = list(VARIANTS) if text == "all" else text.split(",")
+    if unknown := sorted(set(names) - set(VARIANTS)):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """bench's options for --ablation, beside time to accuracy's (which it shares)."""
+    group.add_argument("--ablation", action="store_true", help="recipe=fast's choices one at a time (ablation.py)")
+    group.add_argument("--variants", type=variants, default="all", help="comma-separated ablation variants")
 
 
 def summarize(samples: dict[str, list[dict]]) -> dict[str, dict]:

@@ -299,14 +299,6 @@ def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, rou
     }
 
 
-def fractions(text: str) -> list[float]:
-    """``0.91,0.92`` -> [0.91, 0.92], sorted; argparse turns a ValueError into one line."""
-    values = sorted(float(value) for value in text.split(","))
-    if not all(0 < value <= 1 for value in values):
-        raise ValueError(text)
-    return values
-
-
 def prepare_work(settings: dict) -> Path:
     """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
     step after warm-up, which the trainer's clock also skips)."""
@@ -314,19 +306,6 @@ def prepare_work(settings: dict) -> Path:
     n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
     write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
     return work
-
-
-def tta_settings(args: argparse.Namespace) -> dict:
-    chosen = (args.cases or "").split(",")
-    cases = [case for case in chosen if case in time_to_accuracy.CASES] or list(time_to_accuracy.CASES)
-    return {
-        **{key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")},
-        "targets": args.targets,
-        "cases": cases,
-        "data": args.data_dir,
-        "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
-        "work": Path(tempfile.mkdtemp(prefix="mnist_dist_tta_")),
-    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -339,16 +318,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="interleaved rounds (default 3; --bucket-sweep: its own)")
     parser.add_argument("--cases", help="comma-separated subset (default: every case that means something here)")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
-    tta = parser.add_argument_group("time to accuracy (tools/time_to_accuracy.py, tools/ablation.py)")
-    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --targets, per mode and seed")
-    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="accuracies to reach; stops at the highest")
-    tta.add_argument("--seeds", type=int, default=3, help="seeds 1..N, modes interleaved")
-    tta.add_argument("--eval-every", type=int, default=47, help="steps between exact evaluations")
-    tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
-    tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
-    tta.add_argument("--ablation", action="store_true", help="recipe=fast's choices one at a time (ablation.py)")
-    tta.add_argument("--variants", default=",".join(ablation.VARIANTS), help="comma-separated ablation variants")
-    tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
+    ablation.add_arguments(time_to_accuracy.add_arguments(parser))
     sweep = parser.add_argument_group("bucket sizes (mnist_dist/tools/bucket_sweep.py)")
     sweep.add_argument("--bucket-sweep", action="store_true", help="ddp and torch_ddp over bucket sizes")
     sweep.add_argument("--sizes", help="bucket sizes in MB (MiB), comma-separated (default 0.05,0.25,1,4,25)")
@@ -371,13 +341,9 @@ def main() -> int:
         print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup, device)))
         return 0
     if args.ablation:
-        variants = args.variants.split(",")
-        unknown = sorted(set(variants) - set(ablation.VARIANTS))
-        if unknown:
-            sys.exit(f"bench: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(ablation.VARIANTS)}")
-        return ablation.run({**tta_settings(args), "variants": variants}, args.out)
+        return ablation.run({**time_to_accuracy.settings(args), "variants": args.variants}, args.out)
     if args.time_to_accuracy:
-        return time_to_accuracy.run(tta_settings(args), args.out)
+        return time_to_accuracy.run(time_to_accuracy.settings(args), args.out)
     if args.bucket_sweep:
         from mnist_dist.tools import bucket_sweep  # it builds on this module's runs and arithmetic
 

@@ -14,9 +14,11 @@ and its curve beside seed 1's of each mode in tta.png. Writes tta.md, tta.json a
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -31,6 +33,40 @@ import matplotlib.pyplot as plt  # noqa: E402
 CASES = {"single": ["mode=single"], "ddp": ["mode=ddp"], "torch_ddp": ["mode=torch_ddp"]}
 SINGLE_SECONDS_TARGET = 60.0  # single reaches the highest target within a minute of training on a 2-core CPU
 DDP_RATIO_TARGET = 1.3  # ddp's time to it within 1.3x single's
+
+
+def fractions(text: str) -> list[float]:
+    """``0.91,0.92`` -> [0.91, 0.92], sorted; argparse says a bad one in one line."""
+    values = sorted(float(value) for value in text.split(","))
+    if not all(0 < value <= 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text}: test accuracies as fractions in (0, 1], e.g. 0.91,0.92")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """bench's options for --time-to-accuracy, which --ablation shares (mnist_dist/tools/ablation.py)."""
+    tta = parser.add_argument_group("time to accuracy (tools/time_to_accuracy.py, tools/ablation.py)")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --targets, per mode and seed")
+    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="accuracies to reach; stops at the highest")
+    tta.add_argument("--seeds", type=int, default=3, help="seeds 1..N, modes interleaved")
+    tta.add_argument("--eval-every", type=int, default=47, help="steps between exact evaluations")
+    tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
+    tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
+    tta.add_argument("--no-classic", dest="classic", action="store_false", help="skip the classic contrast")
+    return tta
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """What run() and ablation.run() need, from bench's command line."""
+    chosen = (args.cases or "").split(",")
+    return {
+        **{key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")},
+        "targets": args.targets,
+        "cases": [case for case in chosen if case in CASES] or list(CASES),
+        "data": args.data_dir,
+        "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
+        "work": Path(tempfile.mkdtemp(prefix="mnist_dist_tta_")),
+    }
 
 
 def loadavg() -> str:
