@@ -23,7 +23,7 @@ from mnist_dist.tools.docs_numbers import ROOT, embed, main
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-BLOCKS = ("bench.md", "compare.md", "tta.md", "sweep.md")
+BLOCKS = ("bench.md", "compare.md", "tta.md", "sweep.md", "ablation.md")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 PLACEHOLDER = re.compile(r"<[^>]*>|my_pkg|\$")  # <run dir>, your own package, a shell variable
 
@@ -105,10 +105,10 @@ def test_each_number_block_lives_in_exactly_one_page():
 
 
 def test_the_command_refreshes_the_blocks_in_the_readme_and_in_docs_pages(tmp_path):
-    for name in ("bench", "compare", "tta", "sweep"):
+    for name in ("bench", "compare", "tta", "sweep", "ablation"):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.md").write_text(f"machine: test\n\n| {name} |\n")
-        if name != "tta":  # the time-to-accuracy table comes without a chart
+        if name != "ablation":  # the ablation's table comes without a chart
             (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG " + name.encode())
     root = tmp_path / "repo"
     (root / "docs").mkdir(parents=True)
@@ -117,9 +117,11 @@ def test_the_command_refreshes_the_blocks_in_the_readme_and_in_docs_pages(tmp_pa
         "a\n<!-- begin bench.md -->\nold\n<!-- end bench.md -->\nb\n"
         "<!-- begin sweep.md -->\nold\n<!-- end sweep.md -->\n"
     )
-    (root / "docs" / "time.md").write_text("<!-- begin tta.md -->\nold\n<!-- end tta.md -->\n")
+    (root / "docs" / "time.md").write_text(
+        "<!-- begin tta.md -->\nold\n<!-- end tta.md -->\n<!-- begin ablation.md -->\nold\n<!-- end ablation.md -->\n"
+    )
     (root / "docs" / "other.md").write_text("no markers here\n")
-    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta", "sweep")]
+    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta", "sweep", "ablation")]
     assert main([*dirs, "--root", str(root)]) == 0
     assert (root / "README.md").read_text() == (
         "# x\n\n<!-- begin compare.md -->\nmachine: test\n\n| compare |\n<!-- end compare.md -->\n"
@@ -130,9 +132,12 @@ def test_the_command_refreshes_the_blocks_in_the_readme_and_in_docs_pages(tmp_pa
     )
     assert (root / "docs" / "time.md").read_text() == (
         "<!-- begin tta.md -->\nmachine: test\n\n| tta |\n<!-- end tta.md -->\n"
+        "<!-- begin ablation.md -->\nmachine: test\n\n| ablation |\n<!-- end ablation.md -->\n"
     )
     assert (root / "docs" / "other.md").read_text() == "no markers here\n"
-    for name, chart in (("bench", "bench.png"), ("compare", "compare.png"), ("sweep", "bucket-sweep.png")):
+    charts = {"bench": "bench.png", "compare": "compare.png", "sweep": "bucket-sweep.png"}
+    charts["tta"] = "time-to-accuracy.png"
+    for name, chart in charts.items():
         assert (root / "docs" / chart).read_bytes() == b"\x89PNG " + name.encode()
 
 

@@ -164,7 +164,8 @@ def test_ablation_table_means_ranges_and_a_budget_without_evaluation():
     info.update(memory_gib=23.5, torch="2.14.1")
     settings = {"dataset": "fashion_mnist", "device": "cpu", "seeds": 3, "eval_every": 47}
     table = ablation.markdown(rows, settings, info, "0.1 0.2 0.3")
-    assert "| recipe | recipe=fast as it is | 92.30% (92.10% – 92.50%) | 92.30% | 5,100 | 40.0 |" in table
+    assert "| recipe | recipe=fast as it is: widths 24-48-96, 4 epochs | 92.30% (92.10% – 92.50%) | 92.30% |" in table
+    assert table.splitlines()[6].endswith("| 5,100 | 40.0 |")
     assert "| previous | the recipe before: widths 16-32-64, 3 epochs | no evaluation within the budget |" in table
 
 

@@ -3,11 +3,13 @@
     python -m mnist_dist.tools.docs_numbers --bench outputs/bench/<time> --compare outputs/compare/<date>/<time>
     python -m mnist_dist.tools.docs_numbers --tta outputs/bench/<time>    # bench --time-to-accuracy's tta.md
     python -m mnist_dist.tools.docs_numbers --sweep outputs/bench/<time>  # bench --bucket-sweep's sweep.md
+    python -m mnist_dist.tools.docs_numbers --ablation outputs/bench/<time>  # bench --ablation's ablation.md
 
 A page (README.md or any docs/*.md) marks a block with ``<!-- begin bench.md -->`` ... ``<!-- end bench.md -->``
-(and the same for compare.md, tta.md and sweep.md); everything between the two markers is replaced by that
-file, wherever the markers are, and the run's chart (bench.png, compare.png, sweep.png; tta.md has none) is
-copied to docs/ (sweep.png as docs/bucket-sweep.png).
+(and the same for compare.md, tta.md, sweep.md and ablation.md); everything between the two markers is
+replaced by that file, wherever the markers are, and the run's chart (bench.png, compare.png, tta.png,
+sweep.png; ablation.md has none) is copied to docs/ (tta.png as docs/time-to-accuracy.png, sweep.png as
+docs/bucket-sweep.png).
 Measure on an idle machine: compare warns when it was not.
 """
 
@@ -20,7 +22,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: README.md and docs/
-DOCS_CHARTS = {"sweep": "bucket-sweep.png"}  # a chart's name in docs/ where it is not the run's
+# A chart's name in docs/ where it is not the run's.
+DOCS_CHARTS = {"sweep": "bucket-sweep.png", "tta": "time-to-accuracy.png"}
 
 
 def embed(text: str, name: str, block: str) -> str:
@@ -42,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, help="a directory compare wrote (compare.md, compare.png)")
     parser.add_argument("--tta", type=Path, help="a directory bench --time-to-accuracy wrote (tta.md)")
     parser.add_argument("--sweep", type=Path, help="a directory bench --bucket-sweep wrote (sweep.md, sweep.png)")
+    parser.add_argument("--ablation", type=Path, help="a directory bench --ablation wrote (ablation.md)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository (README.md, docs/)")
     args = parser.parse_args(argv)
     texts = {page: page.read_text() for page in pages(args.root) if page.exists()}
-    for name in ("bench", "compare", "tta", "sweep"):
+    for name in ("bench", "compare", "tta", "sweep", "ablation"):
         directory = getattr(args, name)
         if directory is None:
             continue
