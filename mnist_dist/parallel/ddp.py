@@ -293,9 +293,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 grad = self._params[i].grad
                 if grad is None:  # unused here (find_unused_parameters): contribute zeros
                     part.zero_()
-                elif grad.data_ptr() != part.data_ptr():  # not already there (gradient_as_bucket_view)
-                    part.view(grad.shape).copy_(grad)
-            bucket.buffer.div_(self._divide_by)
+                elif grad.data_ptr() == part.data_ptr():  # already there (gradient_as_bucket_view)
+                    part.div_(self._divide_by)
+                else:  # the copy and the division in one pass over the gradient
+                    torch.div(grad, self._divide_by, out=part.view(grad.shape))
             if bucket.wire:
                 bucket.wire[dist.get_rank()].copy_(bucket.buffer)
                 bucket.work = dist.all_gather(bucket.wire, bucket.wire[dist.get_rank()], async_op=True)

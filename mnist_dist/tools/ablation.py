@@ -102,7 +102,8 @@ def run(settings: dict, out: Path) -> int:
             results = train(overrides, run_dir, settings)
             within = accuracy_at(run_dir, BUDGET_S)
             samples[name].append({**results, "accuracy_within_budget": within})
-            print(f"seed {seed} {name}: {within} test accuracy within {BUDGET_S:.0f} s", flush=True)
+            reached = "no evaluation" if within is None else f"{within:.2%} test accuracy"
+            print(f"seed {seed} {name}: {reached} within {BUDGET_S:.0f} s of training", flush=True)
     rows = summarize(samples)
     load = f"{load_before} before, {loadavg()} after"
     info = machine.describe()
