@@ -83,8 +83,11 @@ def _foreign_client(port: int, seen: dict, done: threading.Event) -> None:
     client.set(ADDRESS.format(rank=1), "127.0.0.1:1")
     seen["planted"] = True
     while not done.is_set() and time.monotonic() < deadline:
-        if client.check([ADDRESS.format(rank=0)]):
-            seen["read"] = client.get(ADDRESS.format(rank=0))
+        try:
+            if client.check([ADDRESS.format(rank=0)]):
+                seen["read"] = client.get(ADDRESS.format(rank=0))
+                return
+        except dist.DistNetworkError:  # the job ended and closed its store before done was set
             return
         time.sleep(0.01)
 
