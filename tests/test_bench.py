@@ -8,7 +8,8 @@ import sys
 import pytest
 from helpers import assert_machine_fields
 
-from mnist_dist.tools.bench import CASES, choose, markdown, paired_ratio, report, skips
+from mnist_dist.tools.bench import CASES, choose, markdown, report, skips
+from mnist_dist.tools.run import paired_ratio
 
 
 def run(speed, comm=0.0, counters=None):

@@ -19,7 +19,8 @@ import statistics
 from pathlib import Path
 
 from mnist_dist import machine
-from mnist_dist.tools.time_to_accuracy import SINGLE_SECONDS_TARGET, accuracy_at, loadavg, train
+from mnist_dist.tools.run import loadavg
+from mnist_dist.tools.time_to_accuracy import SINGLE_SECONDS_TARGET, accuracy_at, train
 
 # name: (overrides on top of recipe=fast, what the variant changes)
 VARIANTS = {

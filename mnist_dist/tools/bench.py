@@ -22,7 +22,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,9 +37,8 @@ from mnist_dist import machine
 from mnist_dist.metrics import state_bytes, synchronize
 from mnist_dist.precision import Precision
 from mnist_dist.step import train_step
-from mnist_dist.tools import ablation, time_to_accuracy
-from mnist_dist.tools.run import train_in_subprocess
-from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.tools import ablation, bucket_sweep, time_to_accuracy
+from mnist_dist.tools.run import median_counters, paired_ratio, prepare_work, run_trainer, summarize
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -99,15 +97,6 @@ def choose(cases: str | None, device: str, cpu_flags: list[str]) -> tuple[list[s
     return cases.split(","), {}
 
 
-def summarize(samples: list[float]) -> dict:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
-
-
-def paired_ratio(case: list[float], baseline: list[float]) -> dict:
-    """Median and range of the per-round ratios: round i of both ran back to back."""
-    return summarize([a / b for a, b in zip(case, baseline)])
-
-
 def report(samples: dict[str, list[dict]], skipped: dict[str, str] | None = None) -> dict:
     """The numbers behind the tables, from every run's measurement; ``skipped``: case -> why it did not run."""
     skipped = skipped or {}
@@ -153,14 +142,6 @@ def report(samples: dict[str, list[dict]], skipped: dict[str, str] | None = None
             }
         )
     return {"cases": cases, "comparisons": comparisons, "skipped": skipped}
-
-
-def median_counters(runs: list[dict]) -> dict[str, float] | None:
-    """Each of the wrapper's backward counters, the median over the runs (None outside ddp modes)."""
-    counters = [run["ddp_backward_ms"] for run in runs if run.get("ddp_backward_ms")]
-    if not counters:
-        return None
-    return {name: statistics.median(c[name] for c in counters) for name in counters[0]}
 
 
 def counters_table(result: dict) -> list[str]:
@@ -281,33 +262,6 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
-def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, round_: int) -> dict:
-    """``python -m mnist_dist <overrides>`` on the bench's data and settings (runs/<name>_<round_>); its numbers."""
-    where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
-    shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
-    try:
-        results = train_in_subprocess([*overrides, *where, *shape], work / "runs" / f"{name}_{round_}")
-    except RuntimeError as error:
-        sys.exit(f"bench: {name} failed: {error}")
-    return {
-        "images_per_s": results["train_images_per_s"],
-        "peak_rss_mib": results["peak_rss_mib"],
-        "model_state_mib": results["model_state_mib"],
-        "step_time_ms": results["step_time_ms"],
-        "ddp_backward_ms": results["ddp_backward_ms"],
-        "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
-    }
-
-
-def prepare_work(settings: dict) -> Path:
-    """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
-    step after warm-up, which the trainer's clock also skips)."""
-    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
-    n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
-    write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
-    return work
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -345,8 +299,6 @@ def main() -> int:
     if args.time_to_accuracy:
         return time_to_accuracy.run(time_to_accuracy.settings(args), args.out)
     if args.bucket_sweep:
-        from mnist_dist.tools import bucket_sweep  # it builds on this module's runs and arithmetic
-
         settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
         return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out)
     chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])

@@ -31,8 +31,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no backend or global figure state
 
 from mnist_dist import machine
-from mnist_dist.tools.bench import median_counters, paired_ratio, prepare_work, run_trainer, summarize
-from mnist_dist.tools.time_to_accuracy import loadavg
+from mnist_dist.tools.run import loadavg, median_counters, paired_ratio, prepare_work, run_trainer, summarize
 
 SIZES_MB = (0.05, 0.25, 1.0, 4.0, 25.0)  # 25: torch's bucket_cap_mb default; this convnet is 4.6 MiB in all
 STEPS = 100  # timed steps per run: with REPEATS, what fits the sweep in 8 minutes on 2 CPU cores

@@ -1,11 +1,16 @@
-"""One training run in a fresh process, as the tools start it: ``python -m mnist_dist`` with overrides."""
+"""Training runs as the tools start them (``python -m mnist_dist`` with overrides, each in a fresh
+process, on generated data for the benchmarks), and the arithmetic over their interleaved repeats."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from mnist_dist.tools.synthetic import write_idx
 
 
 def train_in_subprocess(overrides: list[str], run_dir: Path) -> dict:
@@ -17,3 +22,55 @@ def train_in_subprocess(overrides: list[str], run_dir: Path) -> dict:
         last = (result.stderr.strip().splitlines() or ["no error output"])[-1]
         raise RuntimeError(f"exit {result.returncode}: {last}")
     return json.loads((run_dir / "results.json").read_text())
+
+
+def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, round_: int) -> dict:
+    """``python -m mnist_dist <overrides>`` on the bench's data and settings (runs/<name>_<round_>); its numbers."""
+    where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
+    shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
+    try:
+        results = train_in_subprocess([*overrides, *where, *shape], work / "runs" / f"{name}_{round_}")
+    except RuntimeError as error:
+        sys.exit(f"bench: {name} failed: {error}")
+    return {
+        "images_per_s": results["train_images_per_s"],
+        "peak_rss_mib": results["peak_rss_mib"],
+        "model_state_mib": results["model_state_mib"],
+        "step_time_ms": results["step_time_ms"],
+        "ddp_backward_ms": results["ddp_backward_ms"],
+        "torch_threads": results["machine"]["torch_threads"],  # per rank: ddp ranks share the cores
+    }
+
+
+def prepare_work(settings: dict) -> Path:
+    """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
+    step after warm-up, which the trainer's clock also skips)."""
+    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
+    n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
+    write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
+    return work
+
+
+def summarize(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def paired_ratio(case: list[float], baseline: list[float]) -> dict:
+    """Median and range of the per-round ratios: round i of both ran back to back."""
+    return summarize([a / b for a, b in zip(case, baseline)])
+
+
+def median_counters(runs: list[dict]) -> dict[str, float] | None:
+    """Each of the wrapper's backward counters, the median over the runs (None outside ddp modes)."""
+    counters = [run["ddp_backward_ms"] for run in runs if run.get("ddp_backward_ms")]
+    if not counters:
+        return None
+    return {name: statistics.median(c[name] for c in counters) for name in counters[0]}
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: how shared the machine was while this ran."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"

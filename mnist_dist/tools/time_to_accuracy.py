@@ -25,7 +25,7 @@ import matplotlib
 
 from mnist_dist import machine
 from mnist_dist.tensorboard import read_scalars
-from mnist_dist.tools.run import train_in_subprocess
+from mnist_dist.tools.run import loadavg, train_in_subprocess
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -67,14 +67,6 @@ def settings(args: argparse.Namespace) -> dict:
         "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
         "work": Path(tempfile.mkdtemp(prefix="mnist_dist_tta_")),
     }
-
-
-def loadavg() -> str:
-    """The 1, 5 and 15 minute load averages: how shared the machine was while this ran."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def train(overrides: list[str], run_dir: Path, settings: dict) -> dict:
