@@ -15,7 +15,8 @@ app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py):
 - ``dp``: the DataParallel family of PyTorch's multi-GPU tutorial, and a model split over two devices;
 - ``fsdp``: torch's FSDP2 applied to a plain model by layer groups;
 - ``state``: a wrapped model's state as the plain model's (checkpoints load into the bare class);
-- ``buffers``: rank 0's buffers to every rank, for every wrapper; ``spawn``: processes, rendezvous, failures.
+- ``buffers``: rank 0's buffers to every rank, for every wrapper;
+- ``spawn``: processes, rendezvous (``_supervise``: failures).
 
 The app applies its modes with these in ``mnist_dist/modes.py``.
 """
@@ -29,9 +30,10 @@ from __future__ import annotations
 # ("terminate called without an active exception"). Imported here, its defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 
+from mnist_dist.parallel._supervise import WorkerFailed
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
-from mnist_dist.parallel.spawn import WorkerFailed, heartbeat, init_process_group, spawn
+from mnist_dist.parallel.spawn import heartbeat, init_process_group, spawn
 from mnist_dist.parallel.state import plain_state_dict, unwrap
 
 __all__ = [
