@@ -31,8 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mnist_dist import checkpoint, preemption, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
-from mnist_dist.data import DataError
-from mnist_dist.errors import describe_os_error, last_resort, raise_on_interrupt, rank_log
+from mnist_dist.errors import DataError, describe_os_error, last_resort, raise_on_interrupt, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.step import TrainingDiverged
 from mnist_dist.topology import launched_rank, launcher

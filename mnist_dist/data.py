@@ -2,44 +2,30 @@
 
 `prepare` runs once in the launching process, before any worker exists: it fetches, decompresses and
 validates the four IDX files under torchvision's own layout (<root>/<ClassName>/raw), so workers
-only ever call `load_split`, which needs no network and trusts the files.
+only ever call `load_split`, which needs no network and trusts the files. Which sources to try, and
+what makes a file valid, are decided here; fetch.py gets one file from one source.
 """
 
-import gzip
-import hashlib
-import json
 import logging
 import os
 import struct
-import time
-import urllib.request
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import torch
 from filelock import FileLock
+
+from mnist_dist.errors import DataError
+from mnist_dist.fetch import fetch_file, fetched_here
 
 log = logging.getLogger(__name__)
 
 _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class
 _SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
-_FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
-_TIMEOUT_S = 60  # per network read
-# A whole download: a mirror that trickles is given up for the next one. MNIST's largest .gz is 9.9 MB,
-# so this asks for 17 kB/s on average.
-_DEADLINE_S = 600
-_PROGRESS_S = 5  # seconds between the progress lines of a download
 # What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
 # stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
 _SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
-
-
-class DataError(RuntimeError):
-    """Bad or missing data; str(e) is ONE line: what is wrong and what to do."""
 
 
 def dataset_class(name: str) -> type:
@@ -169,7 +155,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
             return _check_idx(dest, images)
         except (DataError, OSError) as e:
             reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e.strerror}"
-            if not _fetched_here(dest):
+            if not fetched_here(dest):
                 raise DataError(
                     f"{dest} is invalid ({reason}); mnist_dist did not write it, so it is left alone: "
                     "fix it, or move it away to have it fetched again"
@@ -181,12 +167,8 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
     for source in [*local_gz, *mirrors]:
         try:
             checked_md5 = md5 if source.rstrip("/") in official else None
-            with _fetch(source, gz_name, checked_md5, raw) as src, _atomic(dest) as tmp:
-                opener = gzip.open if src.suffix == ".gz" else open
-                with opener(src, "rb") as fin, _open_new(tmp) as fout:
-                    _copy_at_most(fin, fout, _largest_valid(gz_name))
+            with fetch_file(source, gz_name, checked_md5, dest, _largest_valid(gz_name)) as tmp:
                 count = _check_idx(tmp, images)
-            _record_fetched(dest)
             log.info("%s: got %s from %s", name, dest.name, source)
             return count
         except _SOURCE_ERRORS as e:
@@ -209,122 +191,6 @@ def _largest_valid(gz_name: str) -> int:
     """Bytes of the decompressed file at the standard size: no valid file is larger."""
     standard = dict(_SPLITS)[gz_name.split("-")[0]]
     return (16 + standard * 784) if "-images-" in gz_name else (8 + standard)
-
-
-def _copy_at_most(fin, fout, limit: int) -> None:
-    """Copy, but stop with a DataError past ``limit`` bytes: a small .gz can expand without bound."""
-    copied = 0
-    while chunk := fin.read(1 << 20):
-        copied += len(chunk)
-        if copied > limit:
-            raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
-        fout.write(chunk)
-
-
-def _open_new(path: Path):
-    """``path`` created for writing, with the user's umask, after removing what a killed prepare left there.
-
-    The root may be shared: O_EXCL refuses to follow a link that another user plants at the name (or an
-    existing file), so nothing outside the folder is ever written through it."""
-    path.unlink(missing_ok=True)  # a link itself, never its target
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o666), "wb")
-
-
-def _fetched_record(root: Path) -> dict:
-    """What prepare wrote under ``root`` (a link planted in place of the record counts as no record)."""
-    try:
-        with os.fdopen(os.open(root / _FETCHED, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-            fetched = json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
-    return fetched if isinstance(fetched, dict) else {}
-
-
-def _fetched_here(dest: Path) -> bool:
-    try:
-        return _fetched_record(dest.parent.parent).get(dest.name) == dest.stat().st_ino
-    except OSError:
-        return False
-
-
-def _record_fetched(dest: Path) -> None:
-    fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
-    with _atomic(dest.parent.parent / _FETCHED) as tmp, _open_new(tmp) as out:
-        out.write(json.dumps(fetched).encode())
-
-
-@contextmanager
-def _fetch(source: str, gz_name: str, md5: str | None, raw: Path) -> Iterator[Path]:
-    """Yield a local path to gz_name (or, from a local dir, its decompressed twin) at `source`.
-
-    md5 is only given for official mirrors: other copies (Debian's) are recompressed, so for them
-    the validated content is what counts.
-    """
-    if source.startswith(("http://", "https://")):
-        tmp = raw / f".download-{gz_name}"
-        try:
-            _download(f"{source.rstrip('/')}/{gz_name}", tmp, _largest_valid(gz_name) + (1 << 20))
-            if md5 and hashlib.md5(tmp.read_bytes()).hexdigest() != md5:
-                raise DataError(f"md5 mismatch, expected {md5}: corrupt download")
-            yield tmp
-        finally:
-            tmp.unlink(missing_ok=True)
-        return
-    local = url2pathname(urlparse(source).path) if source.startswith("file://") else source
-    folder = Path(local).expanduser()
-    for candidate in (folder / gz_name, folder / gz_name.removesuffix(".gz")):
-        if candidate.is_file():
-            yield candidate
-            return
-    raise DataError("missing")
-
-
-class _NoDowngrade(urllib.request.HTTPRedirectHandler):
-    """Follows redirects, but not from https to plain http (nor to file:// and the like)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if urlparse(newurl).scheme != "https" and (req.full_url.startswith("https:") or not newurl.startswith("http:")):
-            raise DataError(f"refused a redirect from {req.full_url} to {newurl}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _download(url: str, path: Path, limit: int) -> None:
-    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received) and more than
-    ``_DEADLINE_S`` seconds; a progress line every ``_PROGRESS_S`` seconds."""
-    opener = urllib.request.build_opener(_NoDowngrade)
-    with opener.open(url, timeout=_TIMEOUT_S) as response, _open_new(path) as out:
-        announced = int(response.headers.get("Content-Length") or 0)
-        if announced > limit:
-            raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")
-        of = f" of {announced}" if announced else ""
-        started = shown = time.monotonic()
-        received = 0
-        # read1: whatever has arrived, so that a trickle is noticed; read(n) would wait for all n bytes.
-        while chunk := response.read1(1 << 16):
-            received += len(chunk)
-            if received > limit:
-                raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
-            out.write(chunk)
-            now = time.monotonic()
-            if now - started > _DEADLINE_S:
-                raise DataError(f"too slow: {received} bytes{of} in {_DEADLINE_S:g} s, the most one file may take")
-            if now - shown >= _PROGRESS_S:
-                rate = received / (now - started) / 1000
-                log.info("%s: %d%s bytes from %s (%.1f kB/s)", url.rsplit("/", 1)[-1], received, of, url, rate)
-                shown = now
-
-
-@contextmanager
-def _atomic(dest: Path) -> Iterator[Path]:
-    """Yield a temp path beside `dest`, moved over `dest` in one step only if the body succeeds, so a
-    crash or a rejected file never leaves anything under the final name."""
-    tmp = dest.with_name(f".{dest.name}.part")
-    try:
-        yield tmp
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _check_idx(path: Path, images: bool) -> int:

@@ -1,5 +1,6 @@
-"""The app's errors: ConfigError for bad settings (a module of its own, so that every layer can raise
-it), and every failure as one line on the console, with the detail kept in the rank's log."""
+"""The app's errors: ConfigError for bad settings and DataError for bad or missing data (a module of
+their own, so that every layer can raise them), and every failure as one line on the console, with the
+detail kept in the rank's log."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """A setting that composes but cannot run; the message is one line with the numbers."""
+
+
+class DataError(RuntimeError):
+    """Bad or missing data; str(e) is ONE line: what is wrong and what to do."""
 
 
 FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console

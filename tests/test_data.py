@@ -1,4 +1,5 @@
-"""Tests for mnist_dist.data: tiny IDX files written here, served from local dirs and loopback HTTP."""
+"""Tests for mnist_dist.data and mnist_dist.fetch: tiny IDX files written here, served from local dirs and
+loopback HTTP."""
 
 import functools
 import gzip
@@ -18,8 +19,8 @@ import pytest
 import torch
 import torchvision
 
-from mnist_dist import data
-from mnist_dist.data import DataError
+from mnist_dist import data, fetch
+from mnist_dist.errors import DataError
 
 NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")
@@ -107,6 +108,7 @@ def serve():
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.INFO, logger="mnist_dist.data")
+    caplog.set_level(logging.INFO, logger="mnist_dist.fetch")  # a download's progress lines
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -449,7 +451,7 @@ def test_a_link_planted_at_the_record_is_not_followed(tmp_path):
     raw = data.prepare("mnist", root, [str(write_set(tmp_path / "mirror", files))])
     assert victim.read_bytes() == b"another user's file"
     assert not (root / "MNIST" / ".fetched.json").is_symlink()
-    assert data._fetched_here(raw / "train-images-idx3-ubyte")  # the record is prepare's own again
+    assert fetch.fetched_here(raw / "train-images-idx3-ubyte")  # the record is prepare's own again
 
 
 def test_files_prepare_writes_follow_the_umask(tmp_path, serve):
@@ -498,8 +500,8 @@ def trickle():
 
 
 def test_a_trickling_mirror_is_given_up_with_progress_shown(tmp_path, trickle, caplog, monkeypatch):
-    monkeypatch.setattr(data, "_DEADLINE_S", 1.5)
-    monkeypatch.setattr(data, "_PROGRESS_S", 0.5)
+    monkeypatch.setattr(fetch, "_DEADLINE_S", 1.5)
+    monkeypatch.setattr(fetch, "_PROGRESS_S", 0.5)
     url = trickle(1200)  # a minute at 50 ms a byte: far past the deadline
     with pytest.raises(DataError) as error:
         data.prepare("mnist", tmp_path / "root", [url])

@@ -33,7 +33,7 @@ def test_the_parallel_library_imports_nothing_of_the_app():
 # What `python -m mnist_dist` runs. A tool (a benchmark, a comparison, a check, docs tooling) goes to
 # mnist_dist/tools/, a wrapper to mnist_dist/parallel/.
 TRAINING_PATH = {
-    *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data"),
+    *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data", "fetch"),
     *("sharding", "checkpoint", "metrics", "results", "build", "precision", "console", "errors", "rundir"),
     *("preemption", "profiling", "guards", "machine", "tensorboard", "resume"),
 }

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mnist_dist.errors import exit_on_interrupt, raise_on_interrupt
+from mnist_dist.errors import DataError, exit_on_interrupt, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
@@ -40,7 +40,6 @@ from torch import nn
 from mnist_dist import machine
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
-from mnist_dist.data import DataError
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.modes import world_size
 from mnist_dist.step import TrainingDiverged
