@@ -11,7 +11,8 @@ app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py):
     if __name__ == "__main__":
         spawn(worker, 2)
 
-- ``ddp``: our hand-written DistributedDataParallel (``_buckets``: its bucket plan);
+- ``ddp``: our hand-written DistributedDataParallel (``_buckets``: its buckets, planned, sent and
+  written back; ``_join``: its ``join()``);
 - ``dp``: the DataParallel family of PyTorch's multi-GPU tutorial, and a model split over two devices;
 - ``fsdp``: torch's FSDP2 applied to a plain model by layer groups;
 - ``state``: a wrapped model's state as the plain model's (checkpoints load into the bare class);

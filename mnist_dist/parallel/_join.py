@@ -23,12 +23,48 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from mnist_dist.parallel.buffers import broadcast_from, broadcast_from_rank0
 
 if TYPE_CHECKING:
     from mnist_dist.parallel.ddp import DistributedDataParallel
+
+
+class JoinableDDP(Joinable):
+    """DistributedDataParallel's ``join()``, and what torch's protocol asks of a Joinable: its hook, device
+    and process group."""
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs, as torch DDP's ``join()``: wrap the loop in ``with model.join():``; a rank
+        that runs out of inputs shadows the others' collectives until every rank is done, contributing
+        zero gradients, and the last rank to join gives every rank its parameters and buffers.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size at wrap time (a joined rank
+                counts as a zero gradient); False divides by the number of ranks still training.
+            enable: False makes the context manager do nothing (no per-iteration collectives).
+            throw_on_early_termination: raise on every rank as soon as one runs out, instead.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
 
 
 class DDPJoinHook(JoinHook):
@@ -48,14 +84,7 @@ class DDPJoinHook(JoinHook):
             return
         if not ddp._buckets:  # joined before the first synchronised backward: agree on the plan with the rest
             ddp._build_plan()
-        works = []
-        for bucket in ddp._buckets:
-            if bucket.wire:
-                for part in bucket.wire:
-                    part.zero_()
-                works.append(dist.all_gather(bucket.wire, bucket.wire[dist.get_rank()], async_op=True))
-            else:
-                works.append(dist.all_reduce(bucket.buffer.zero_(), async_op=True))
+        works = [bucket.send_zeros() for bucket in ddp._buckets]
         for work in works:
             work.wait()
         if ddp.find_unused_parameters:

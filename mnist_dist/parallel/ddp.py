@@ -25,9 +25,10 @@ buckets do not overflow.
 ``parameters()`` does not tell in general. The first backward therefore records the order in which
 ``register_post_accumulate_grad_hook`` fires (after a parameter's ``.grad`` is final for this
 backward) and all-reduces everything at its end. Rank 0's order is then broadcast so that every rank
-builds the same buckets (``_buckets.py``). The plan stays fixed until the set of parameters that
-require grad changes. Buckets are launched strictly in plan order, so a rank whose hooks fire in a
-slightly different order still issues the same sequence of collectives.
+builds the same buckets (``_buckets.py``: the plan, and how a bucket is filled, sent and written
+back). The plan stays fixed until the set of parameters that require grad changes. Buckets are
+launched strictly in plan order, so a rank whose hooks fire in a slightly different order still
+issues the same sequence of collectives.
 
 **End of backward.** No public API runs code when a backward pass ends, so, like torch DDP and FSDP,
 the wrapper queues a callback on the autograd engine (``_queue_end_of_backward``, the one private
@@ -37,24 +38,9 @@ gradients, exactly as with torch DDP. The wrapper times its backward itself (``t
 clock on CPU, events on the compute stream on CUDA), which is the communication that backward did not
 hide; the trainer reads it for ``time/comm_wait_ms``.
 
-**As torch DDP** (which the equivalence tests compare against, pattern by pattern):
-
-- each synchronised backward all-reduces what ``.grad`` holds, so several backward passes without
-  ``no_sync()`` give the sum of their averaged gradients; inside ``no_sync()`` (which must hold the
-  forward too) gradients accumulate locally and the next synchronised backward averages the sum;
-- parameters frozen at wrap time are left alone; a parameter that requires grad but gets none is an
-  error naming it, unless ``find_unused_parameters=True``: then it contributes zeros where unused,
-  and one used on no rank keeps ``.grad`` untouched (``None`` stays ``None``);
-- sparse gradients (``nn.Embedding(sparse=True)``) are refused at wrap time, naming the parameter;
-- ``with model.join():`` trains ranks with different numbers of batches (``_join.py``), with torch DDP's
-  ``divide_by_initial_world_size``, ``enable`` and ``throw_on_early_termination``.
-
-Where it differs: a parameter frozen at wrap time and unfrozen later is synchronised from then on
-(torch DDP ignores it, and the ranks drift apart); a second ``backward(retain_graph=True)`` over the
-same forward is synchronised again, which equals one process on the global batch (torch DDP syncs
-once per forward and leaves the ranks apart). A parameter that gets a second gradient inside one
-backward after its bucket was sent (shared between a re-entrant checkpoint and the rest of the
-model) is an error naming it; ``overlap=False`` or ``use_reentrant=False`` avoids it.
+**As torch DDP.** What it does as torch DDP (``no_sync()``, several backward passes, frozen and
+unused parameters, sparse gradients, ``join()`` in ``_join.py``) and where it differs on purpose are
+listed in ``docs/ddp.md``, pattern by pattern as the equivalence tests compare the two wrappers.
 
 On CPU, gloo runs ``all_reduce(async_op=True)`` on its own threads, which is the overlap. On CUDA, the
 copy into a bucket and its all-reduce are issued on a side stream that first waits for the compute
@@ -72,16 +58,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join
 from torch.profiler import record_function
 
-from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets
-from mnist_dist.parallel._join import DDPJoinHook, announce_backward_sync, sync_buffers
+from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets, refuse_sparse_gradients
+from mnist_dist.parallel._join import JoinableDDP, announce_backward_sync, sync_buffers
 from mnist_dist.parallel.buffers import broadcast_from_rank0
 from mnist_dist.parallel.timing import BackwardClock
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, JoinableDDP):
     """Averages gradients across the default process group with bucketed, overlapped all-reduce.
 
     Args:
@@ -115,8 +101,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
-        Joinable.__init__(self)  # join(): uneven inputs (see _join.py)
-        _refuse_sparse_gradients(module)
+        JoinableDDP.__init__(self)  # join(): uneven inputs (see _join.py)
+        refuse_sparse_gradients(module)
         self.module = module
         self.message_size = message_size
         self.overlap = overlap
@@ -190,37 +176,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self._sync_enabled = previous
 
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """Train on uneven inputs, as torch DDP's ``join()``: wrap the loop in ``with model.join():``; a rank
-        that runs out of inputs shadows the others' collectives until every rank is done, contributing
-        zero gradients, and the last rank to join gives every rank its parameters and buffers.
-
-        Args:
-            divide_by_initial_world_size: divide gradients by the world size at wrap time (a joined rank
-                counts as a zero gradient); False divides by the number of ranks still training.
-            enable: False makes the context manager do nothing (no per-iteration collectives).
-            throw_on_early_termination: raise on every rank as soon as one runs out, instead.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs) -> DDPJoinHook:
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
-
     def _get_ddp_logging_data(self) -> dict[str, int]:
         """torch DDP's backward counters under its names and units (ns): compute, communication and their
         overlap, averaged over every synchronised backward (timing.py)."""
@@ -289,19 +244,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), torch.no_grad():
-            for i, part in bucket.slices(self._params):
-                grad = self._params[i].grad
-                if grad is None:  # unused here (find_unused_parameters): contribute zeros
-                    part.zero_()
-                elif grad.data_ptr() == part.data_ptr():  # already there (gradient_as_bucket_view)
-                    part.div_(self._divide_by)
-                else:  # the copy and the division in one pass over the gradient
-                    torch.div(grad, self._divide_by, out=part.view(grad.shape))
-            if bucket.wire:
-                bucket.wire[dist.get_rank()].copy_(bucket.buffer)
-                bucket.work = dist.all_gather(bucket.wire, bucket.wire[dist.get_rank()], async_op=True)
-            else:
-                bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+            bucket.send(self._params, self._divide_by)
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
@@ -337,23 +280,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.no_grad()
     def _wait_and_write_back(self, used: list[bool] | None) -> None:
         for bucket in self._buckets:
-            bucket.work.wait()
-            if bucket.wire:  # the fp32 sum of every rank's bf16 share
-                torch.sum(torch.stack(bucket.wire), dim=0, dtype=torch.float32, out=bucket.buffer)
+            bucket.wait()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         for bucket in self._buckets:
-            for i, part in bucket.slices(self._params):
-                param = self._params[i]
-                if used is not None and not used[i]:  # used on no rank: .grad untouched, as torch DDP
-                    continue
-                if self.gradient_as_bucket_view and param.is_contiguous():  # a channels_last one keeps its layout
-                    if param.grad is None or param.grad.data_ptr() != part.data_ptr():
-                        param.grad = part.view(param.shape)
-                    continue
-                if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                param.grad.copy_(part.view(param.shape))
+            bucket.write_back(self._params, used, self.gradient_as_bucket_view)
 
     def _build_plan(self) -> None:
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
@@ -377,12 +308,3 @@ def _tensors(output) -> list[torch.Tensor]:
     if isinstance(output, (list, tuple)):
         return [t for item in output for t in _tensors(item)]
     return []
-
-
-def _refuse_sparse_gradients(module: nn.Module) -> None:
-    for name, child in module.named_modules():
-        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
-            raise ValueError(
-                f"{name + '.' if name else ''}weight gets sparse gradients, which this DistributedDataParallel "
-                "does not average; construct it with sparse=False, or use torch's DistributedDataParallel"
-            )
