@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, guards, preemption, rundir
+from mnist_dist import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.config import Config, ConfigError, data_root
 from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
@@ -117,7 +117,7 @@ def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
         return run_dir
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
-    checkpoint.check_resumable(state, cfg)
+    compatibility.check_resumable(state, cfg)
     if state["world_size"] != ranks:
         log.info(
             "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",

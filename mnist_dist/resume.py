@@ -1,13 +1,16 @@
 """A run's state into and out of its checkpoint: what a resume needs, saved only from checked weights,
-and put back so that the resumed run is the uninterrupted one (its clocks and counts included)."""
+and put back so that the resumed run is the uninterrupted one (its clocks, counts and every rank's random
+state included)."""
 
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from mnist_dist import checkpoint
 from mnist_dist.parallel import state
@@ -25,7 +28,7 @@ def restore(run: Run, resumed: dict) -> None:
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
-    checkpoint.restore_rng(resumed["rng"], run.topology.rank)
+    restore_rng(resumed["rng"], run.topology.rank)
     restore_meters(run, resumed["meters"])
     run.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
@@ -40,8 +43,8 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     if run.window_losses:
         check_finite(torch.stack(run.window_losses), run.step, run.topology.rank, diverged_advice(run))
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
-    rng = checkpoint.rng_states_of_all_ranks()
-    meters = checkpoint.gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
+    rng = rng_states_of_all_ranks()
+    meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
     model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
     if run.topology.rank == 0:
         poisoned = first_non_finite(model_state)
@@ -97,3 +100,32 @@ def restore_meters(run: Run, by_rank: list[dict]) -> None:
     run.throughput.total_images, run.throughput.total_seconds = meters["images"], meters["images_s"]
     device = run.train_x.device
     run.window_losses = [torch.tensor(loss, device=device) for loss in meters["window_losses"]]
+
+
+def gather_objects(mine: Any) -> list:
+    """Every rank's ``mine``, by rank (a collective; ``[mine]`` in one process)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def rng_states_of_all_ranks() -> list[dict]:
+    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank: dropout continues as if
+    never stopped, also on the replicas of dp, which draw their masks on every GPU."""
+    mine = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+    }
+    return gather_objects(mine)
+
+
+def restore_rng(states: list[dict], rank: int) -> None:
+    if rank >= len(states):  # resumed on more ranks: new ranks keep their seed
+        return
+    random.setstate(states[rank]["python"])
+    torch.set_rng_state(states[rank]["torch"])
+    if states[rank]["cuda"] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mnist_dist import checkpoint, metrics
+from mnist_dist import metrics, resume
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
@@ -253,9 +253,9 @@ def test_a_checkpoint_keeps_the_random_state_of_every_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.extend(new))
-    (saved,) = checkpoint.rng_states_of_all_ranks()
+    (saved,) = resume.rng_states_of_all_ranks()
     assert saved["cuda"] == states
-    checkpoint.restore_rng([saved], rank=0)
+    resume.restore_rng([saved], rank=0)
     assert restored == states
 
 
