@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
@@ -43,7 +43,8 @@ def fetch_file(source: str, gz_name: str, md5: str | None, dest: Path, limit: in
     with _local_path(source, gz_name, md5, dest.parent, limit) as src, _atomic(dest) as tmp:
         opener = gzip.open if src.suffix == ".gz" else open
         with opener(src, "rb") as fin, _open_new(tmp) as fout:
-            _copy_at_most(fin, fout, limit)
+            for chunk in _at_most(lambda: fin.read(1 << 20), limit):
+                fout.write(chunk)
         yield tmp
     _record_fetched(dest)
 
@@ -56,14 +57,15 @@ def fetched_here(dest: Path) -> bool:
         return False
 
 
-def _copy_at_most(fin, fout, limit: int) -> None:
-    """Copy, but stop with a DataError past ``limit`` bytes: a small .gz can expand without bound."""
-    copied = 0
-    while chunk := fin.read(1 << 20):
-        copied += len(chunk)
-        if copied > limit:
+def _at_most(read: Callable[[], bytes], limit: int) -> Iterator[bytes]:
+    """What ``read()`` returns until it returns nothing, stopping with a DataError past ``limit`` bytes in
+    all: a small .gz can expand without bound, and a server can send more than it announced."""
+    total = 0
+    while chunk := read():
+        total += len(chunk)
+        if total > limit:
             raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
-        fout.write(chunk)
+        yield chunk
 
 
 def _open_new(path: Path):
@@ -136,10 +138,8 @@ def _download(url: str, path: Path, limit: int) -> None:
         started = shown = time.monotonic()
         received = 0
         # read1: whatever has arrived, so that a trickle is noticed; read(n) would wait for all n bytes.
-        while chunk := response.read1(1 << 16):
+        for chunk in _at_most(lambda: response.read1(1 << 16), limit):
             received += len(chunk)
-            if received > limit:
-                raise DataError(f"larger than {limit} bytes, the largest valid size; not an MNIST file")
             out.write(chunk)
             now = time.monotonic()
             if now - started > _DEADLINE_S:
