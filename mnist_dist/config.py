@@ -145,8 +145,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint_every_steps={cfg.checkpoint_every_steps} must be 0 (epoch ends only) or more")
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
-    if getattr(cfg.mode, "message_size", 1) <= 0:
-        raise ConfigError(f"mode.message_size={cfg.mode.message_size} must be positive")
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
     if bucket_cap_mb is not None and bucket_cap_mb <= 0:
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")

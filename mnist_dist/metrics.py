@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from mnist_dist.parallel.timing import StreamClock
+
 
 def synchronize(devices: Sequence[torch.device]) -> None:
     """Waits for the work queued so far on the compute (current) stream of each CUDA device in ``devices``."""
@@ -36,33 +38,12 @@ DDP_COUNTERS = {
 def ddp_counters_ms(model: torch.nn.Module) -> dict[str, float]:
     """The wrapper's backward compute, communication and their overlap (ms, averaged over the backwards it
     sampled: torch DDP samples some, ours every synchronised one); {} for a model that is neither DDP."""
-    read = getattr(model, "_get_ddp_logging_data", None)
+    clock = getattr(model, "clock", None)  # ours: mnist_dist/parallel/timing.py
+    read = clock.averages_ns if clock is not None else getattr(model, "_get_ddp_logging_data", None)
     if read is None:
         return {}
     data = read()
     return {name: data.get(key, 0) / 1e6 for name, key in DDP_COUNTERS.items()}
-
-
-class StreamClock:
-    """Time stamps on the compute stream of the current device: CUDA events recorded on its current stream
-    (nothing waits when one is taken), the host's clock on a CPU. What torch DDP's reducer times with."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float | torch.cuda.Event:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        """Seconds from stamp ``start`` to the later ``end``; on CUDA it waits for ``end`` to be reached."""
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
 
 
 def _collective_tensor(values: list[float]) -> torch.Tensor:
@@ -208,7 +189,7 @@ class StepTimer:
         self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
     ) -> None:
         self.clock = clock or StreamClock(device)
-        self.wait_clock = getattr(model, "_backward_clock", None)  # our DistributedDataParallel's
+        self.wait_clock = getattr(model, "clock", None)  # our DistributedDataParallel's (parallel/timing.py)
         self.sampling = False
         self.stamps: list = []  # this step's: the start, then one per phase ended
         self.window = dict.fromkeys(self.PHASES, 0.0)
@@ -219,6 +200,8 @@ class StepTimer:
 
     def start(self, sample: bool) -> None:
         self.sampling = sample
+        if self.wait_clock is not None:  # no events on the steps nobody reads
+            self.wait_clock.enabled = sample
         if sample:
             self.stamps = [("start", self.clock.now())]
 

@@ -31,6 +31,7 @@ from mnist_dist.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
 from mnist_dist.parallel.fsdp import shard
 from mnist_dist.parallel.syncbn import convert_sync_batchnorm
+from mnist_dist.parallel.timing import BackwardClock
 
 
 class Processes(Enum):
@@ -67,28 +68,24 @@ class ReplicatedMode:
     # It matters most when the share is small (batch_size is global: more ranks, smaller shares). On
     # CUDA torch's SyncBatchNorm, elsewhere ours (mnist_dist/parallel/syncbn.py), which gloo runs.
     sync_batchnorm: bool = False
+    # MiB per all-reduce bucket (torch's bucket_cap_mb), in both DDPs, which cut buckets alike. null: torch's
+    # default, 25 with the first bucket capped at 1 so that it starts early (this convnet: fc2 and fc1 in
+    # the first, the convolutions in the second); a number caps every bucket (25: the convnet in one).
+    bucket_cap_mb: float | None = None
+    # .grad is a view of its all-reduce bucket: one copy per gradient and step fewer, one gradient's memory less
+    gradient_as_bucket_view: bool = False
 
 
 @dataclass
 class TorchDDPMode(ReplicatedMode):
     name: str = "torch_ddp"
-    # MiB per all-reduce bucket (torch's bucket_cap_mb). null: torch's default, 25 with the first bucket capped
-    # at 1 so that it starts early; a number caps every bucket, the first too (25: this convnet in one bucket).
-    bucket_cap_mb: float | None = None
 
 
 @dataclass
 class DDPMode(ReplicatedMode):
     name: str = "ddp"
-    # Elements per all-reduce bucket (1M = 4 MB of fp32). Smaller buckets start communicating earlier
-    # in backward, larger ones send fewer messages. apex used 10M, which puts this convnet's 1.2M
-    # parameters in one bucket and so overlaps nothing; 1M sends fc1 (98 % of them) while the
-    # convolutions' backward still runs.
-    message_size: int = 1_000_000
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
     compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
-    # .grad is a view of its all-reduce bucket: one copy per gradient and step fewer, one gradient's memory less
-    gradient_as_bucket_view: bool = False
 
 
 class Dtype(Enum):
@@ -195,14 +192,16 @@ def _sync_batchnorm(model: nn.Module, mode: ReplicatedMode, device: torch.device
 
 
 def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return DistributedDataParallel(
+    wrapped = DistributedDataParallel(
         _sync_batchnorm(model, mode, device),
-        message_size=mode.message_size,
+        bucket_cap_mb=mode.bucket_cap_mb,
         overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
         compress_bf16=mode.compress_bf16,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )
+    wrapped.clock = BackwardClock(device)  # its backward counters, as torch DDP's (the step timer reads them)
+    return wrapped
 
 
 def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
@@ -211,6 +210,7 @@ def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus:
         device_ids=[device] if device.type == "cuda" else None,
         find_unused_parameters=mode.find_unused_parameters,
         bucket_cap_mb=mode.bucket_cap_mb,
+        gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )
     if device.type == "cpu":
         # torch's backward counters (results.json ddp_backward_ms) average its first 10 iterations, then every

@@ -37,8 +37,7 @@ from mnist_dist.metrics import (
     state_bytes,
 )
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.parallel import unwrap
-from mnist_dist.parallel.buffers import buffers_from_rank0
+from mnist_dist.parallel import buffers_from_rank0, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.resume import diverged_advice, restore, save_checkpoint

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
+GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 STEPS = 3
 PATTERNS = {}
 
@@ -122,7 +122,7 @@ class Mixed(nn.Module):
 
 @pattern
 def dtype_mix(rank, world_size, wrap):
-    return train(wrap(Mixed(), message_size=40), rank, world_size)
+    return train(wrap(Mixed(), bucket_cap_mb=160 / 2**20), rank, world_size)
 
 
 class RankOrder(nn.Module):
@@ -142,7 +142,7 @@ class RankOrder(nn.Module):
 
 @pattern
 def arrival_order_differs_across_ranks(rank, world_size, wrap):
-    return train(wrap(RankOrder(rank), message_size=20), rank, world_size)
+    return train(wrap(RankOrder(rank), bucket_cap_mb=40 / 2**20), rank, world_size)
 
 
 @pattern

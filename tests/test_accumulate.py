@@ -46,7 +46,7 @@ def _accumulation_three_ways(rank, world_size):
     single = _train(copy.deepcopy(start), zip(x, y), 1)  # the whole global batch in one pass
     ours = {}
     for k in (1, 2):
-        model = DistributedDataParallel(copy.deepcopy(start), message_size=100_000)  # several buckets
+        model = DistributedDataParallel(copy.deepcopy(start), bucket_cap_mb=0.05)  # several buckets
         ours[k] = _collectives_of(lambda: _train(model, mine, k))  # noqa: B023 (called at once)
     theirs = _train(TorchDDP(copy.deepcopy(start)), mine, 2)
     return start.state_dict(), single, ours, theirs

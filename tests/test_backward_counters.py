@@ -9,7 +9,7 @@ from helpers import run_batch
 from torch import nn
 
 from mnist_dist.metrics import ddp_counters_ms
-from mnist_dist.model import ConvNet
+from mnist_dist.model import ConvNet, FastNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.parallel import DistributedDataParallel, timing
 from mnist_dist.parallel.timing import MARKS, BackwardClock
@@ -91,8 +91,9 @@ def test_our_ddp_stamps_in_the_order_the_scripts_play(one_rank, monkeypatch):
     for overlap, expected in ((True, ["compute_start", "comm_start", "compute_end", "comm_end"]), (False, None)):
         torch.manual_seed(0)
         model = DistributedDataParallel(
-            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), message_size=20, overlap=overlap
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), bucket_cap_mb=80 / 2**20, overlap=overlap
         )
+        model.clock = BackwardClock(torch.device("cpu"))
         for _ in range(2):  # the first backward records the order and sends everything at its end
             stamped.clear()
             model(torch.randn(4, 8)).sum().backward()
@@ -110,16 +111,35 @@ def counters_of(rank: int, world_size: int, mode) -> tuple[dict[str, float], int
         nn.functional.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))).backward()
         optimizer.step()
         optimizer.zero_grad()
-    logged = model._get_ddp_logging_data()
+    logged = getattr(model, "_get_ddp_logging_data", dict)()  # torch's; ours keeps its counters in model.clock
     return ddp_counters_ms(model), logged.get("iteration", -1)
 
 
-def torch_buckets(rank: int, world_size: int, bucket_cap_mb: float | None) -> list[int]:
-    """torch DDP's buckets (bytes) after it rebuilt them in the order of the first backward."""
-    model = wrap_model(ConvNet(), TorchDDPMode(bucket_cap_mb=bucket_cap_mb), torch.device("cpu"))
+def torch_buckets(rank: int, world_size: int, bucket_cap_mb: float | None, net=ConvNet) -> list[int]:
+    """torch DDP's buckets (bytes) after it rebuilt them in the order of the first backward: one all-reduce each."""
+    model = wrap_model(net(), TorchDDPMode(bucket_cap_mb=bucket_cap_mb), torch.device("cpu"))
     for _ in range(3):
         model(torch.randn(2, 1, 28, 28)).sum().backward()
     return [int(size) for size in model._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", ")]
+
+
+def our_buckets(rank: int, world_size: int, bucket_cap_mb: float | None, net) -> tuple[list[int], int]:
+    """Our DDP's buckets (bytes) after three backwards, and the all-reduces its fourth backward issued."""
+    model = wrap_model(net(), DDPMode(bucket_cap_mb=bucket_cap_mb), torch.device("cpu"))
+    for _ in range(3):
+        model(torch.randn(2, 1, 28, 28)).sum().backward()
+    sizes = dict(model.module.named_parameters())
+    buckets = [sum(sizes[n].numel() * sizes[n].element_size() for n in bucket) for bucket in model.bucket_plan]
+    calls, real = [], torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        model(torch.randn(2, 1, 28, 28)).sum().backward()
+    finally:
+        torch.distributed.all_reduce = real
+    return buckets, len(calls)
+
+
+NETS, CAPS = (ConvNet, FastNet), (None, 25.0, 0.05)  # the app's two models; torch's default, one bucket, several
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +148,8 @@ def ranks(tmp_path_factory):
         "ddp": (counters_of, DDPMode()),
         "torch_ddp": (counters_of, TorchDDPMode()),
         **{f"buckets {cap}": (torch_buckets, cap) for cap in (None, 25.0, 0.05)},
+        **{f"torch {net.__name__} {cap}": (torch_buckets, cap, net) for net in NETS for cap in CAPS},
+        **{f"ours {net.__name__} {cap}": (our_buckets, cap, net) for net in NETS for cap in CAPS},
     }
     return run_batch(calls, 2, tmp_path_factory.mktemp("ranks"))
 
@@ -152,3 +174,12 @@ def test_bucket_cap_mb_reaches_torch_ddp(ranks):
     assert ranks["buckets None"][0] == [4_724_264, 75_264]
     assert ranks["buckets 25.0"][0] == [4_799_528]
     assert len(ranks["buckets 0.05"][0]) == 3 and ranks["buckets 0.05"][0] == ranks["buckets 0.05"][1]
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("net", NETS, ids=lambda net: net.__name__)
+def test_both_ddps_cut_the_same_buckets_and_issue_as_many_all_reduces(ranks, net, cap):
+    theirs = ranks[f"torch {net.__name__} {cap}"]
+    for rank, (buckets, all_reduces) in enumerate(ranks[f"ours {net.__name__} {cap}"]):
+        assert buckets == theirs[rank]  # the same bytes per bucket, in launch order
+        assert all_reduces == len(theirs[rank])  # one all-reduce per bucket: as many collectives as torch

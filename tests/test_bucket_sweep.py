@@ -7,17 +7,15 @@ import sys
 import pytest
 from helpers import HANG_S, assert_machine_fields
 
-from mnist_dist.tools.bucket_sweep import SIZES_MB, chart, elements, markdown, overrides, parse_sizes, report
+from mnist_dist.tools.bucket_sweep import SIZES_MB, chart, markdown, overrides, parse_sizes, report
 
 INFO = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 1}
 INFO.update(memory_gib=23.5, torch="2.14.1", gpus=0)
 SETTINGS = {"device": "cpu", "gpus": 2, "batch": 64, "steps": 100, "warmup": 10, "repeats": 2}
 
 
-def test_a_size_in_mb_is_torch_ddps_bucket_cap_and_our_ddps_fp32_elements():
-    # torch's bucket_cap_mb counts MiB (2**20 bytes); an fp32 gradient element is 4 bytes
-    assert [elements(mb) for mb in SIZES_MB] == [13_107, 65_536, 262_144, 1_048_576, 6_553_600]
-    assert overrides("ddp", 0.25) == ["mode=ddp", "mode.message_size=65536"]
+def test_a_size_in_mb_is_both_ddps_bucket_cap():
+    assert overrides("ddp", 0.25) == ["mode=ddp", "mode.bucket_cap_mb=0.25"]
     assert overrides("torch_ddp", 0.25) == ["mode=torch_ddp", "mode.bucket_cap_mb=0.25"]
 
 
@@ -56,12 +54,12 @@ def test_rows_are_medians_per_size_and_ddp_with_exposed_communication(tmp_path):
         (4.0, "torch_ddp"),
     ]
     ddp, torch_ddp = rows[0], rows[1]
-    assert (ddp["median"], ddp["min"], ddp["max"], ddp["n"], ddp["message_size"]) == (720.0, 640.0, 800.0, 2, 65_536)
+    assert (ddp["median"], ddp["min"], ddp["max"], ddp["n"]) == (720.0, 640.0, 800.0, 2)
     assert ddp["counters_ms"] == {"backward_compute": 45.0, "backward_comm": 18.0, "backward_overlap": 11.0}
     assert ddp["exposed_ms"] == pytest.approx(7.0) and ddp["exposed_share"] == pytest.approx(0.075)
     assert ddp["vs_torch_ddp"]["median"] == pytest.approx(2.0)  # each round's ddp over the torch_ddp beside it
     assert torch_ddp["exposed_ms"] == pytest.approx(2.0) and torch_ddp["exposed_share"] == pytest.approx(0.0125)
-    assert "vs_torch_ddp" not in torch_ddp and "message_size" not in torch_ddp
+    assert "vs_torch_ddp" not in torch_ddp
     assert rows[2]["vs_torch_ddp"] == {"median": 1.25, "min": 1.0, "max": 1.5, "n": 2}  # 640/640, 480/320
     json.dumps(rows)  # sweep.json holds them
 
@@ -70,10 +68,7 @@ def test_rows_are_medians_per_size_and_ddp_with_exposed_communication(tmp_path):
         "machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile; torch AVX2 kernels), 2 cores, 1 torch threads, "
         "23.5 GiB, torch 2.14.1; load average 0.50 0.40 0.30 before, 1.90 1.20 0.60 after (1, 5, 15 min)\n"
     )
-    assert (
-        "| 0.25 | ddp (message_size=65,536) | 720 | 640 – 800 | 2.00 (2.00 – 2.00) | 45.0 | 18.0 | 11.0 | 7.0 | 7.5% |"
-        in table
-    )
+    assert "| 0.25 | ddp | 720 | 640 – 800 | 2.00 (2.00 – 2.00) | 45.0 | 18.0 | 11.0 | 7.0 | 7.5% |" in table
     assert "| 4 | torch_ddp | 480 | 320 – 640 |  | 50.0 | 10.0 | 2.0 | 8.0 | 6.0% |" in table
 
     chart(rows, tmp_path / "sweep.png", INFO, 2)
@@ -83,7 +78,7 @@ def test_rows_are_medians_per_size_and_ddp_with_exposed_communication(tmp_path):
 @pytest.mark.slow
 def test_a_tiny_sweep_runs_both_ddps_and_reports_their_counters(tmp_path):
     command = [sys.executable, "-m", "mnist_dist.tools.bench", "--bucket-sweep", "--sizes", "1", "--repeats", "1"]
-    command += ["--steps", "4", "--warmup", "2", "--batch", "16", "--out", str(tmp_path)]
+    command += ["--steps", "8", "--warmup", "2", "--batch", "16", "--out", str(tmp_path)]  # step 10 is sampled
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "sweep.json").read_text())

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from mnist_dist.model import FastNet
-from mnist_dist.parallel.buffers import broadcast_from_rank0
+from mnist_dist.parallel.ddp import broadcast_from
 
 
 def test_buffers_travel_in_one_broadcast_per_dtype(one_rank, monkeypatch):
@@ -14,6 +14,6 @@ def test_buffers_travel_in_one_broadcast_per_dtype(one_rank, monkeypatch):
     buffers = list(FastNet().buffers())  # 3 BatchNorms: running mean and var (float32), batches seen (int64)
     for i, buffer in enumerate(buffers):
         buffer.fill_(i)
-    broadcast_from_rank0(buffers)
+    broadcast_from(buffers)
     assert sorted(calls, key=str) == [torch.float32, torch.int64]
     assert [buffer.flatten()[0].item() for buffer in buffers] == list(range(9))  # each back in its place

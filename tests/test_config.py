@@ -82,8 +82,8 @@ def test_unknown_key_fails_while_composing():
         ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
         ("mode.nme=x", "Key 'nme' not in 'SingleMode'; valid keys: name\n"),
         (
-            "mode.message_size=5",  # a knob of another mode
-            "error: Could not override 'mode.message_size': Key 'message_size' not in 'SingleMode'; valid keys: name\n",
+            "mode.overlap=false",  # a knob of another mode
+            "error: Could not override 'mode.overlap': Key 'overlap' not in 'SingleMode'; valid keys: name\n",
         ),
         ("amp=fp8", "error: Error merging override amp=fp8: Invalid value 'fp8', expected one of [off, bf16, fp16]\n"),
         (
@@ -105,13 +105,12 @@ def test_composition_errors_are_one_line(override, expected):
     assert line.count("\n") == 1 and expected in line
 
 
-@pytest.mark.parametrize(
-    "mode, own, other", [("ddp", "message_size", "bucket_cap_mb"), ("torch_ddp", "bucket_cap_mb", "message_size")]
-)
-def test_each_ddp_has_its_own_bucket_size_and_both_the_shared_knobs(make_config, mode, own, other):
-    shared = ("mode.find_unused_parameters=true", "mode.sync_batchnorm=true")
-    cfg = make_config(f"mode={mode}", f"mode.{own}=4", *shared)
-    assert (getattr(cfg.mode, own), cfg.mode.find_unused_parameters, cfg.mode.sync_batchnorm) == (4, True, True)
+@pytest.mark.parametrize("mode, other", [("ddp", "no_such_knob"), ("torch_ddp", "overlap")])
+def test_both_ddps_share_the_bucket_size_and_the_replicated_knobs(make_config, mode, other):
+    shared = ("mode.bucket_cap_mb=4", "mode.find_unused_parameters=true", "mode.sync_batchnorm=true")
+    cfg = make_config(f"mode={mode}", "mode.gradient_as_bucket_view=true", *shared)
+    assert (cfg.mode.bucket_cap_mb, cfg.mode.find_unused_parameters, cfg.mode.sync_batchnorm) == (4, True, True)
+    assert cfg.mode.gradient_as_bucket_view
     with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
         compose("config", overrides=[f"mode={mode}", f"mode.{other}=4"])
     assert f"Key '{other}' not in" in describe_hydra_error(error.value)
@@ -139,10 +138,10 @@ def test_a_key_the_chosen_model_lacks_is_one_line_with_its_keys(overrides, expec
 
 
 def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
-    result = cli("mode=single", "mode.message_size=5", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    result = cli("mode=single", "mode.overlap=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr == (
-        "error: Could not override 'mode.message_size': Key 'message_size' not in 'SingleMode'; valid keys: name\n"
+        "error: Could not override 'mode.overlap': Key 'overlap' not in 'SingleMode'; valid keys: name\n"
     )
     assert not (tmp_path / "run").exists()
 

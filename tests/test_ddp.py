@@ -13,8 +13,10 @@ from torch import nn
 from mnist_dist.metrics import StepTimer
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel
+from mnist_dist.parallel.timing import BackwardClock
 
 GLOBAL_BATCH = 16
+LONE = 1e-6  # bucket_cap_mb: about a byte, so every gradient is a bucket of its own
 LATE_S = 0.3  # rank 1 starts one backward this late
 
 
@@ -24,10 +26,11 @@ def ranks(tmp_path_factory):
     ``ranks(key)`` is that call's results by rank."""
     results = run_batch(
         {
-            "grads 3+buckets": (ddp_step, 200_000, True),
-            "grads one-bucket": (ddp_step, 10_000_000, True),
-            "grads no-overlap": (ddp_step, 200_000, False),
-            "bf16": (ddp_step, 200_000, True, True),
+            "grads 3+buckets": (ddp_step, 0.05, True),
+            "grads one-bucket": (ddp_step, 25, True),
+            "grads no-overlap": (ddp_step, 0.05, False),
+            "grads lone": (ddp_step, LONE, True),
+            "bf16": (ddp_step, 0.05, True, True),
             "no_sync": (no_sync_accumulation,),
             "plans": (plans_and_refreezing,),
             "unused strict": (_both_skip,),
@@ -72,12 +75,12 @@ def single_step_grads():
     return {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
-def ddp_step(rank, world_size, message_size, overlap, compress=False):
+def ddp_step(rank, world_size, bucket_cap_mb, overlap, compress=False):
     torch.manual_seed(rank + 100)  # different init per rank: the wrapper must broadcast rank 0's
     net = ConvNet(dropout=False)
     if rank == 0:
         net.load_state_dict(model().state_dict())
-    ddp = DistributedDataParallel(net, message_size=message_size, overlap=overlap, compress_bf16=compress)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb, overlap=overlap, compress_bf16=compress)
     x, y = batch()
     for _ in range(2):  # step 1 records the order, step 2 runs on the fixed bucket plan
         net.zero_grad(set_to_none=True)
@@ -87,7 +90,8 @@ def ddp_step(rank, world_size, message_size, overlap, compress=False):
 
 @pytest.mark.parametrize(
     "case, min_buckets",
-    [("3+buckets", 3), ("one-bucket", 1), ("no-overlap", 3)],  # message_size 200k/10M, overlap on/on/off
+    # bucket_cap_mb 0.05 / 25 / 0.05 / a byte (every gradient a bucket of its own, all-reduced in its .grad)
+    [("3+buckets", 3), ("one-bucket", 1), ("no-overlap", 3), ("lone", 8)],
 )
 def test_gradients_equal_single_process_on_global_batch(ranks, case, min_buckets):
     expected = single_step_grads()
@@ -116,7 +120,7 @@ def test_bf16_compressed_gradients_match_to_bf16_precision(ranks):
 
 def no_sync_accumulation(rank, world_size):
     net = model()
-    ddp = DistributedDataParallel(net, message_size=100_000)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.05)
     x, y = batch()
     mine_x, mine_y = shard(x, rank, world_size), shard(y, rank, world_size)
     # Two micro-batches per rank; each loss halved so their sum is the mean over the union.
@@ -153,24 +157,25 @@ class TwoHeads(nn.Module):
 
 def plans_and_refreezing(rank, world_size):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(TwoHeads(), message_size=20)
+    ddp = DistributedDataParallel(TwoHeads(), bucket_cap_mb=80 / 2**20)  # 20 floats
     x = torch.randn(4, 8)
     ddp(x).sum().backward()
-    first = ddp.bucket_plan
+    first, body_grad = ddp.bucket_plan, ddp.module.body.weight.grad.clone()
     ddp.module.body.requires_grad_(False)
     ddp(x).sum().backward()
-    return first, ddp.bucket_plan
+    return first, ddp.bucket_plan, torch.equal(ddp.module.body.weight.grad, body_grad)
 
 
-def test_arrival_order_agreed_and_recorded_again_after_freezing(ranks):
-    (first0, frozen0), (first1, frozen1) = ranks("plans")
+def test_arrival_order_agreed_and_kept_when_a_layer_is_frozen(ranks):
+    (first0, frozen0, kept0), (first1, frozen1, kept1) = ranks("plans")
     assert first0 == first1 and frozen0 == frozen1
     flat = [n for bucket in first0 for n in bucket]
     # Backward reaches the heads before the body: the recorded order says so, parameters() does not.
     assert flat.index("body.weight") > flat.index("head.weight")
     assert sorted(flat) == sorted(n for n, _ in TwoHeads().named_parameters())
-    assert not any(n.startswith("body.") for bucket in frozen0 for n in bucket)
-    assert len(first0) >= 3  # 20 elements per bucket split its 106
+    # A frozen layer keeps its place (it sends zeros, as torch DDP's unused ones) and its .grad is untouched.
+    assert frozen0 == first0 and kept0 and kept1
+    assert len(first0) >= 3  # buckets of at least 20 floats split its 106
 
 
 def unused_parameter(rank, world_size, find_unused):
@@ -240,6 +245,7 @@ def test_buffers_follow_rank_0_before_each_forward(ranks, broadcast):
 def comm_wait_timed(rank, world_size):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(TwoHeads())
+    ddp.clock = BackwardClock(torch.device("cpu"))  # as the app attaches it
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     timer = StepTimer(torch.device("cpu"), ddp, optimizer)
     x = torch.randn(4, 8)
@@ -252,10 +258,10 @@ def comm_wait_timed(rank, world_size):
             time.sleep(LATE_S)  # rank 0's all-reduces wait for this rank's gradients
         loss.backward()
         optimizer.step()
-        waits.append(ddp._backward_clock.last_wait_s())
+        waits.append(ddp.clock.last_wait_s())
     with ddp.no_sync():
         ddp(x).sum().backward()  # nothing to wait for
-    waits.append(ddp._backward_clock.last_wait_s())
+    waits.append(ddp.clock.last_wait_s())
     return waits, timer.lap()
 
 
@@ -281,7 +287,7 @@ class SharedAcrossCheckpoint(nn.Module):
 
 
 def shared_across_checkpoint(rank, world_size, overlap):
-    ddp = DistributedDataParallel(SharedAcrossCheckpoint(), message_size=8, overlap=overlap)
+    ddp = DistributedDataParallel(SharedAcrossCheckpoint(), bucket_cap_mb=LONE, overlap=overlap)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     try:
         for _ in range(2):  # the second backward runs on the bucket plan
@@ -307,7 +313,7 @@ def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_with
 
 def gradients_as_bucket_views(rank, world_size):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(TwoHeads(), message_size=10, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(TwoHeads(), gradient_as_bucket_view=True)  # one bucket: a flat buffer
     x = torch.randn(4, 8) * (rank + 1)
     seen = []
     for set_to_none in (True, True, False, False):  # the first backward records the plan

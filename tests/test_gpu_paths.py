@@ -162,7 +162,7 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.TIMES, FakeEvent.recorded = [0.0, 1.0, 11.0, 13.0], []
     model = nn.Linear(2, 2)
-    model._backward_clock = FakeWaitClock()  # what our DDP keeps: it waited 3 ms of the 10 ms of backward
+    model.clock = FakeWaitClock()  # what the app attaches to our DDP: it waited 3 ms of the 10 ms of backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
     timer.start(sample=True)
@@ -340,14 +340,14 @@ def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
 
 
 def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
-    # Our DDP copies gradients into its buckets (they are not views of them): both take memory.
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), message_size=30)
+    # Our DDP copies gradients into its bucket (they are not views of it): both take memory.
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
     optimizer = torch.optim.Adadelta(model.parameters())
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     floats = sum(p.numel() for p in model.parameters())  # 58
     buckets = sum(bucket.numel() for bucket in model.bucket_buffers)
-    assert buckets == floats and len(model.bucket_buffers) == 2
+    assert buckets == floats and len(model.bucket_buffers) == 1
     # fp32 parameters, gradients, Adadelta's two buffers per parameter and its step count (a 0-d tensor
     # per parameter), and the buckets
     assert metrics.state_bytes(model, optimizer) == 4 * (floats * 4 + 4 + buckets)

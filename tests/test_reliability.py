@@ -206,7 +206,7 @@ def soak(rank, world_size, steps):
     """Memory, file descriptors and threads of one rank after warm-up and after many more steps."""
     torch.manual_seed(0)
     model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), message_size=1000
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), bucket_cap_mb=0.001
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 

@@ -92,7 +92,7 @@ def twenty_steps(tmp_path_factory, tiny_root):
             # gradients summed instead of averaged (REFERENCE.md).
             "optim=sgd",
             "optim.lr=0.05",
-            *(["mode.message_size=100000"] if mode == "ddp" else []),  # several buckets
+            *(["mode.bucket_cap_mb=0.05"] if mode == "ddp" else []),  # several buckets
         )
         launch(cfg, run_dir)
         out[mode] = (torch.load(run_dir / "model.pt"), run_dir)

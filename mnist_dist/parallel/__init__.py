@@ -11,12 +11,12 @@ app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py):
     if __name__ == "__main__":
         spawn(worker, 2)
 
-- ``ddp``: our hand-written DistributedDataParallel (``_buckets``: its buckets, planned, sent and
-  written back; ``_join``: its ``join()``);
+- ``ddp``: our hand-written DistributedDataParallel, one file that imports only torch (copy it beside
+  your script: examples/ddp.py is it), with ``broadcast_from``, the broadcast every wrapper uses for buffers;
+- ``timing``: the clock our DDP's backward counters are read from, attached by the app;
 - ``dp``: the DataParallel family of PyTorch's multi-GPU tutorial, and a model split over two devices;
 - ``fsdp``: torch's FSDP2 applied to a plain model by layer groups;
 - ``state``: a wrapped model's state as the plain model's (checkpoints load into the bare class);
-- ``buffers``: rank 0's buffers to every rank, for every wrapper;
 - ``spawn``: processes, rendezvous (``_supervise``: failures).
 
 The app applies its modes with these in ``mnist_dist/modes.py``.
@@ -35,7 +35,7 @@ from mnist_dist.parallel._supervise import WorkerFailed
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 from mnist_dist.parallel.spawn import heartbeat, init_process_group, spawn
-from mnist_dist.parallel.state import plain_state_dict, unwrap
+from mnist_dist.parallel.state import buffers_from_rank0, plain_state_dict, unwrap
 
 __all__ = [
     "DistributedDataParallel",
@@ -44,6 +44,7 @@ __all__ = [
     "split",
     "unwrap",
     "plain_state_dict",
+    "buffers_from_rank0",
     "spawn",
     "init_process_group",
     "heartbeat",

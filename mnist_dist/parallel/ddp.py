@@ -1,51 +1,28 @@
-"""A hand-written DistributedDataParallel, small enough to read in one sitting and copy.
+"""A hand-written DistributedDataParallel in one file that imports only torch: copy it beside your script.
 
-It is a modern version of NVIDIA apex's 2018 design, written with public PyTorch APIs but one: the
-user writes the same lines as with torch DDP, and gradients are averaged when ``backward()`` returns::
+The user writes the same lines as with torch DDP, and gradients are averaged when ``backward()`` returns::
 
     model = DistributedDataParallel(model.to(device))   # after init_process_group
     loss_fn(model(x), y).backward()                     # .grad now holds the average over the ranks
     optimizer.step()
 
-**Same start.** At wrap time rank 0's parameters and buffers are broadcast, so every replica starts
-identical; identical averaged gradients then keep them identical. Buffers (BatchNorm's running
-statistics) are not gradients: each rank updates its own in forward, so rank 0's are broadcast again
-at the moments torch DDP broadcasts them: at the start of a forward that follows a forward run with
-grad enabled and outside ``no_sync()`` (the first forward after wrapping too), whether the module is
-in train or eval mode.
+It is apex's 2018 design in public APIs, made to issue the collectives torch's C++ reducer issues, so the two
+compute the same bits. Rank 0's parameters and buffers are broadcast at wrap time; rank 0's buffers again at
+the start of a forward that follows a synchronised forward with grad enabled (torch DDP's moments). Each
+gradient is multiplied by 1/world_size as it is copied into a flat bucket (one dtype per bucket), and a bucket
+is all-reduced as soon as its last gradient is final (``register_post_accumulate_grad_hook``), in bucket
+order, while autograd goes on. A bucket of one contiguous gradient is all-reduced where it lies, in ``.grad``.
+The buckets are torch's: the first backward sends one bucket per dtype in ``parameters()`` order, then rank
+0's arrival order is cut into buckets of ``bucket_cap_mb`` (the first capped at 1 MiB when the cap is torch's
+default), a bucket closing once it reaches the cap. With ``find_unused_parameters`` the first layout is cut
+that way too, in reverse ``parameters()`` order, and kept. At the end of backward (the autograd engine's
+callback queue, the one private call, which torch DDP and FSDP use too) the rest is sent, waited for, and
+the averages are in ``.grad``. ``no_sync()``, ``join()``, frozen, tied and unused parameters behave as torch
+DDP's; where ours differs on purpose: docs/ddp.md. On CUDA the copies and all-reduces run on a side stream of
+the gradients' device that waits for the compute stream, and the compute stream waits for it at the end.
 
-**Buckets.** One all-reduce per gradient pays a message's latency per tensor; one all-reduce of
-everything after backward cannot overlap with compute. So gradients are copied into flat buckets of
-at most ``message_size`` elements (one dtype per bucket: a flat buffer has one dtype), and a bucket is
-all-reduced as soon as its last gradient is ready, while autograd goes on with earlier layers.
-Gradients are divided by the world size *before* the sum, as torch DDP does, so that low-precision
-buckets do not overflow.
-
-**Order.** Buckets overlap only if they fill in the order backward produces gradients, which
-``parameters()`` does not tell in general. The first backward therefore records the order in which
-``register_post_accumulate_grad_hook`` fires (after a parameter's ``.grad`` is final for this
-backward) and all-reduces everything at its end. Rank 0's order is then broadcast so that every rank
-builds the same buckets (``_buckets.py``: the plan, and how a bucket is filled, sent and written
-back). The plan stays fixed until the set of parameters that require grad changes. Buckets are
-launched strictly in plan order, so a rank whose hooks fire in a slightly different order still
-issues the same sequence of collectives.
-
-**End of backward.** No public API runs code when a backward pass ends, so, like torch DDP and FSDP,
-the wrapper queues a callback on the autograd engine (``_queue_end_of_backward``, the one private
-call). It launches what is left, waits, and writes the averaged gradients back into ``.grad``. What
-follows ``backward()`` (clipping, ``GradScaler.unscale_``, the optimizer) therefore sees the averaged
-gradients, exactly as with torch DDP. The wrapper times its backward itself (``timing.py``: the host's
-clock on CPU, events on the compute stream on CUDA), which is the communication that backward did not
-hide; the trainer reads it for ``time/comm_wait_ms``.
-
-**As torch DDP.** What it does as torch DDP (``no_sync()``, several backward passes, frozen and
-unused parameters, sparse gradients, ``join()`` in ``_join.py``) and where it differs on purpose are
-listed in ``docs/ddp.md``, pattern by pattern as the equivalence tests compare the two wrappers.
-
-On CPU, gloo runs ``all_reduce(async_op=True)`` on its own threads, which is the overlap. On CUDA, the
-copy into a bucket and its all-reduce are issued on a side stream that first waits for the compute
-stream (the gradient must be written before it is read); the end of backward makes the compute stream
-wait for the side stream.
+Timing is optional: set ``model.clock`` to an object with ``mark(name)`` and it is stamped at torch's four
+moments (compute_start, comm_start, compute_end, comm_end); ``None`` (the default) stamps nothing.
 """
 
 from __future__ import annotations
@@ -58,113 +35,211 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.profiler import record_function
 
-from mnist_dist.parallel._buckets import Bucket, agreed_order, build_buckets, refuse_sparse_gradients
-from mnist_dist.parallel._join import JoinableDDP, announce_backward_sync, sync_buffers
-from mnist_dist.parallel.buffers import broadcast_from_rank0
-from mnist_dist.parallel.timing import BackwardClock
+MIB = 2**20
+DEFAULT_CAP_MB, FIRST_CAP_MB = 25, 1  # torch DDP's bucket_cap_mb default, and its first bucket's cap then
 
 
-class DistributedDataParallel(nn.Module, JoinableDDP):
+@torch.no_grad()
+def broadcast_from(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Every rank takes rank ``src``'s ``tensors`` (a collective: every rank calls, in the same order); one
+    broadcast per device and dtype, flattened: a BatchNorm net's many small buffers cost one latency."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for group in groups.values():
+        flat = torch.cat([tensor.reshape(-1) for tensor in group])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def _view(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    # The parameter's own layout (channels_last stays channels_last), as torch's bucket views: a gradient
+    # then lands where torch's would, and the sum of each element is the same sum.
+    dense = any(param.is_contiguous(memory_format=f) for f in (torch.contiguous_format, torch.channels_last))
+    if dense:
+        return flat.as_strided(param.shape, param.stride(), offset)
+    return flat[offset : offset + param.numel()].view(param.shape)
+
+
+class Bucket:
+    """Gradients that travel together: filled with this rank's share of the average, summed over the ranks,
+    written back into ``.grad``."""
+
+    def __init__(self, indices: list[int], params: list[torch.Tensor], compress_bf16: bool, world_size: int):
+        self.indices, self.pending, self.work = indices, len(indices), None
+        first = params[indices[0]]
+        self.numel = numel = sum(params[i].numel() for i in indices)
+        compress = compress_bf16 and first.dtype == torch.float32
+        # A lone gradient is all-reduced in its .grad: no copy in, no copy out, no buffer.
+        self.buffer = None if len(indices) == 1 and not compress else first.new_empty(numel)
+        self.wire = [first.new_empty(numel, dtype=torch.bfloat16) for _ in range(world_size)] if compress else []
+        self.views, offset = [], 0
+        for i in indices:
+            self.views.append(None if self.buffer is None else _view(self.buffer, params[i], offset))
+            offset += params[i].numel()
+        self.sent: torch.Tensor | None = None  # this backward's sum: the buffer, or the lone .grad
+
+    def send(self, params: list[torch.Tensor], scale: float) -> None:
+        """This rank's gradients times ``scale`` into the bucket, and the sum over the ranks started."""
+        if self.buffer is None:
+            param = params[self.indices[0]]
+            grad = param.grad
+            if grad is not None and grad.is_contiguous():
+                self.sent = grad.mul_(scale)
+            else:  # unused here (zeros), or a layout all_reduce does not take
+                self.sent = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                if grad is not None:
+                    self.sent.copy_(grad).mul_(scale)
+        else:
+            for i, view in zip(self.indices, self.views):
+                grad = params[i].grad
+                if grad is None:  # unused here (find_unused_parameters): contribute zeros
+                    view.zero_()
+                elif grad.data_ptr() == view.data_ptr():  # already there (gradient_as_bucket_view)
+                    view.mul_(scale)
+                else:  # the copy and the scaling in one pass, as torch's reducer (mul_out)
+                    torch.mul(grad, scale, out=view)
+            self.sent = self.buffer
+        self.work = self._start(self.sent)
+
+    def _start(self, tensor: torch.Tensor) -> dist.Work:
+        if not self.wire:
+            return dist.all_reduce(tensor, async_op=True)
+        # compress_bf16: every rank's bf16 copy gathered and added up in fp32 (an all-reduce would add in bf16)
+        self.wire[dist.get_rank()].copy_(tensor)
+        return dist.all_gather(self.wire, self.wire[dist.get_rank()], async_op=True)
+
+    def send_zeros(self, params: list[torch.Tensor]) -> dist.Work:
+        """A joined rank's share (zeros), in the collective the ranks still training launch."""
+        zeros = self.buffer if self.buffer is not None else params[self.indices[0]].new_empty(self.numel)
+        return self._start(zeros.zero_())
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.wire:
+            torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
+
+    def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
+        for i, view in zip(self.indices, self.views):
+            param = params[i]
+            if used is not None and not used[i] or not param.requires_grad:  # .grad untouched, as torch DDP
+                continue
+            source = self.sent if view is None else view  # a lone gradient's sum, or its place in the buffer
+            grad = param.grad
+            if grad is not None and grad.data_ptr() == source.data_ptr():
+                continue  # reduced where it lies
+            if grad is None or as_view and view is not None:
+                param.grad = source if view is None or as_view else source.clone()
+            else:
+                grad.copy_(source)
+        self.pending, self.work, self.sent = len(self.indices), None, None
+
+
+def assign(order: list[int], params: list[torch.Tensor], caps: list[int]) -> list[list[int]]:
+    """torch's compute_bucket_assignment_by_size: per dtype and device, parameters in ``order`` fill a bucket
+    until it holds at least its cap in bytes (``caps`` in turn, the last repeating); buckets in closing order."""
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, which cap)
+    for i in order:
+        key = (params[i].dtype, params[i].device)
+        indices, size, cap = open_.get(key, ([], 0, 0))
+        indices, size = [*indices, i], size + params[i].numel() * params[i].element_size()
+        if size >= caps[cap]:
+            buckets.append(indices)
+            indices, size, cap = [], 0, min(cap + 1, len(caps) - 1)
+        open_[key] = (indices, size, cap)
+    return buckets + [indices for indices, _, _ in open_.values() if indices]
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """Averages gradients across the default process group with bucketed, overlapped all-reduce.
 
     Args:
         module: the model, already on this rank's device.
-        message_size: most elements per bucket (1,000,000 = 4 MB of fp32; a parameter larger than
-            that gets a bucket of its own). Small buckets start communicating early in backward;
-            large ones send fewer messages.
+        bucket_cap_mb: MiB per bucket, as torch DDP's: None is its default, 25 with the first bucket capped at
+            1 so that the first all-reduce starts early in backward; a number caps every bucket.
         overlap: all-reduce while backward runs. False waits for the end of backward (apex's
             ``delay_allreduce``), for comparison.
-        find_unused_parameters: a parameter that requires grad but gets none counts as a zero
-            gradient (one more small all-reduce per step finds those used on no rank). Off by
-            default: it is usually a bug, reported by name.
+        find_unused_parameters: a parameter that requires grad but gets none counts as a zero gradient (one
+            more small all-reduce per step finds those used on no rank). Off by default: it is usually a
+            bug, reported by name.
         broadcast_buffers: give every rank rank 0's buffers at the start of forward, as torch DDP.
-        gradient_as_bucket_view: after the first synchronised backward each ``.grad`` is a view of its
-            bucket (as torch DDP's option): backward accumulates into the bucket and the average is
-            written there, one copy and one gradient's memory fewer. ``zero_grad(set_to_none=True)``
-            drops the views; the next backward copies in once and views again.
-        compress_bf16: send fp32 gradients as bf16 (half the bytes) and add them up in fp32: an
-            all-gather of bf16 copies rather than an all-reduce, since an all-reduce would also
-            accumulate in bf16. Worth it where the network, not compute, is the bottleneck.
+        gradient_as_bucket_view: each ``.grad`` becomes a view of its bucket after its first synchronised
+            backward, as torch DDP's option: one copy and one gradient's memory fewer.
+        compress_bf16: send fp32 gradients as bf16 (half the bytes) and add them up in fp32.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        message_size: int = 1_000_000,
+        bucket_cap_mb: float | None = None,
         overlap: bool = True,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
-        compress_bf16: bool = False,
         gradient_as_bucket_view: bool = False,
+        compress_bf16: bool = False,
     ) -> None:
         super().__init__()
-        JoinableDDP.__init__(self)  # join(): uneven inputs (see _join.py)
-        refuse_sparse_gradients(module)
+        Joinable.__init__(self)
+        _refuse_sparse_gradients(module)
         self.module = module
-        self.message_size = message_size
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.compress_bf16 = compress_bf16
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.compress_bf16 = compress_bf16
+        self.clock = None  # an object with mark(name) to time backward (see the module's docstring)
         self.world_size = dist.get_world_size()
+        cap = int((DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
+        self._caps = [FIRST_CAP_MB * MIB, cap] if bucket_cap_mb is None else [cap]
         named = list(module.named_parameters())
-        self._names = [name for name, _ in named]
-        self._params = [p for _, p in named]
+        self._names, self._params = [n for n, _ in named], [p for _, p in named]
         self._replicated_buffers = list(module.buffers())
+        tensors = [*self._params, *self._replicated_buffers]
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._sync_enabled = True  # toggled by no_sync()
         self._sync_this_backward = True  # captured at forward, as torch DDP does
         self._sync_buffers_next_forward = True  # torch DDP's require_forward_param_sync
         self._divide_by_initial_world_size = True  # set by join()
-        self._divide_by = float(self.world_size)  # in join(divide_by_initial_world_size=False): the ranks still in
-        self._plan_key: tuple[bool, ...] | None = None  # requires_grad flags the plan was built for
+        self._scale = 1.0 / self.world_size
+        self._planned = False
+        self._rebuilt = False  # the plan follows the arrival order (after the plan's first backward)
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._arrived: dict[int, None] = {}  # this backward's parameters, in hook order
         self._next_bucket = 0  # buckets before this one are launched in this backward
         self._end_queued = False
         self._hooked: set[int] = set()
-        tensors = [*self._params, *self._replicated_buffers]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._backward_clock = BackwardClock(device)
-        broadcast_from_rank0(tensors)
-        self._hook_trainable()
-
-    def _hook_trainable(self) -> None:
-        # A frozen parameter cannot take a hook; one unfrozen after wrapping gets it at its next forward.
-        for index, param in enumerate(self._params):
-            if param.requires_grad and index not in self._hooked:
-                param.register_post_accumulate_grad_hook(self._make_hook(index))
-                self._hooked.add(index)
+        broadcast_from(tensors)
 
     def forward(self, *args, **kwargs):
-        key = tuple(p.requires_grad for p in self._params)
-        if key != self._plan_key:  # first step, or layers were (un)frozen: record the order again
-            self._hook_trainable()
-            self._plan_key, self._buckets, self._bucket_of = key, [], {}
+        self._ensure_plan()
         ranks_in = Join.notify_join_context(self)  # None outside join()
-        self._divide_by = float(self.world_size)
+        self._scale = 1.0 / self.world_size
         if ranks_in is not None and not self._divide_by_initial_world_size:
             ranks_in.wait()
-            self._divide_by = ranks_in.result()[0].item()
+            self._scale = 1.0 / ranks_in.result()[0].item()
         if self._broadcasts_buffers_next_forward():
-            sync_buffers(self, candidate=True)
+            self._sync_buffers(candidate=True)
         grad_enabled = torch.is_grad_enabled()
         if self._join_config.enable:  # tells the joined ranks whether to shadow this backward
-            announce_backward_sync(self, float(grad_enabled and self._sync_enabled))
+            self._announce_backward_sync(float(grad_enabled and self._sync_enabled))
         self._sync_buffers_next_forward = grad_enabled and self._sync_enabled
         if grad_enabled:
             self._sync_this_backward = self._sync_enabled
         output = self.module(*args, **kwargs)
         if grad_enabled and self._sync_enabled:
-            self._backward_clock.mark("compute_start")  # where torch DDP's reducer starts its backward's clock
+            self._mark("compute_start")  # where torch DDP's reducer starts its backward's clock
             for tensor in _tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(self._on_output_grad)
+                    tensor.register_hook(lambda grad: self._queue_end_of_backward())
         return output
 
     @contextmanager
@@ -176,35 +251,61 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         finally:
             self._sync_enabled = previous
 
-    def _get_ddp_logging_data(self) -> dict[str, int]:
-        """torch DDP's backward counters under its names and units (ns): compute, communication and their
-        overlap, averaged over every synchronised backward (timing.py)."""
-        return self._backward_clock.averages_ns()
-
-    def _broadcasts_buffers_next_forward(self) -> bool:
-        return self.broadcast_buffers and self._sync_buffers_next_forward and bool(self._replicated_buffers)
-
     @property
     def bucket_plan(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order (empty until the first synchronised backward)."""
+        """Parameter names per bucket, in launch order."""
         return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
 
     @property
     def bucket_buffers(self) -> list[torch.Tensor]:
-        """The flat buffers gradients are copied into and sent from (and compress_bf16's bf16 copies of
-        every rank's): memory this wrapper holds besides ``.grad`` (empty until the first backward)."""
-        return [t for bucket in self._buckets for t in (bucket.buffer, *bucket.wire)]
+        """The memory this wrapper holds besides ``.grad``: flat buffers (a lone gradient has none) and
+        compress_bf16's bf16 copies."""
+        return [t for b in self._buckets for t in ([b.buffer] if b.buffer is not None else []) + b.wire]
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        self._queue_end_of_backward()
+    def _mark(self, name: str) -> None:
+        if self.clock is not None:
+            self.clock.mark(name)
+
+    def _ensure_plan(self) -> None:
+        # The first layout for the parameters that require grad now: at the first step, or when one that
+        # is in no bucket was unfrozen (torch DDP would never average it). One frozen later keeps its place
+        # and sends zeros, as torch's unused ones do: the other gradients keep their place in the sum.
+        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        if self._planned and all(i in self._bucket_of for i in trainable):
+            return
+        self._planned = True
+        for index, param in enumerate(self._params):  # a frozen parameter cannot take a hook
+            if param.requires_grad and index not in self._hooked:
+                param.register_post_accumulate_grad_hook(self._make_hook(index))
+                self._hooked.add(index)
+        # As torch DDP: without find_unused_parameters, one bucket per dtype until the order is known; with
+        # it, the caps in parameters() order, kept for good. Buckets sorted by first parameter, reversed.
+        caps = self._caps if self.find_unused_parameters else [2**62]
+        self._plan(sorted(assign(trainable, self._params, caps), key=min, reverse=True) if trainable else [])
+        self._rebuilt = self.find_unused_parameters
+        if dist.get_backend() == "gloo" and any(self._params[i].dtype == torch.float16 for i in trainable):
+            warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=3)
+
+    def _rebuild(self) -> None:
+        # Every rank must build the same buckets (collectives in the same order and sizes, or they deadlock
+        # or mix tensors up): rank 0's arrival order, then what it never saw in reverse registration order.
+        agreed = [list(self._arrived)]
+        dist.broadcast_object_list(agreed, src=0)
+        order = list(dict.fromkeys(agreed[0]))
+        order += [i for i, p in reversed(list(enumerate(self._params))) if p.requires_grad and i not in order]
+        self._plan(assign(order, self._params, self._caps))
+        self._rebuilt = True
+
+    def _plan(self, groups: list[list[int]]) -> None:
+        self._buckets = [Bucket(g, self._params, self.compress_bf16, self.world_size) for g in groups]
+        self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
 
     def _queue_end_of_backward(self) -> None:
-        # No public API runs code when a backward pass ends. torch DDP (_DDPSink) and FSDP (its
-        # pre-backward hook) queue a callback on the autograd engine, which runs it after the last
-        # gradient of the current graph task; so does this. Queued when backward first reaches this
-        # wrapper's outputs, the task is the backward the user called, not a nested one (re-entrant
-        # activation checkpointing runs a backward inside it); a parameter's hook queues it for a
-        # backward that did not start from the outputs.
+        # No public API runs code when a backward pass ends. torch DDP (_DDPSink) and FSDP queue a callback on
+        # the autograd engine, which runs it after the last gradient of the current graph task; so does this.
+        # Queued when backward first reaches this wrapper's outputs, the task is the backward the user called,
+        # not a nested one (re-entrant activation checkpointing); a parameter's hook queues it for a backward
+        # that did not start from the outputs.
         if not self._end_queued:
             self._end_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -223,11 +324,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                     )
                 return
             self._arrived[index] = None
-            if bucket is None:  # no plan yet: this backward only records the order
-                return
-            bucket.pending -= 1
-            if self.overlap:
-                self._launch_ready_buckets()
+            if bucket is not None:
+                bucket.pending -= 1
+                if self.overlap:
+                    self._launch_ready_buckets()
 
         return hook
 
@@ -236,67 +336,126 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             bucket = self._buckets[self._next_bucket]
             if bucket.pending and not everything:
                 return
-            self._launch(bucket)
+            self._mark("comm_start")  # the first bucket's counts
+            if self._stream is not None:  # the gradient must be written before the side stream reads it
+                self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), torch.no_grad():
+                bucket.send(self._params, self._scale)
             self._next_bucket += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        self._backward_clock.mark("comm_start")  # the first bucket's counts
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext(), torch.no_grad():
-            bucket.send(self._params, self._divide_by)
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
         if not self._arrived:  # e.g. autograd.grad() through the outputs: no .grad was written
             return
-        self._backward_clock.mark("compute_end")
+        self._mark("compute_end")
         try:
-            if not self._buckets:
-                self._build_plan()
-            missing = [self._names[i] for i in self._bucket_of if i not in self._arrived]
+            missing = [
+                self._names[i] for i in self._bucket_of if i not in self._arrived and self._params[i].requires_grad
+            ]
             if missing and not self.find_unused_parameters:
                 raise RuntimeError(
                     f"parameters that require grad got no gradient in this backward: {', '.join(missing)}. "
                     "Use them in forward, set requires_grad=False, or pass find_unused_parameters=True."
                 )
             self._launch_ready_buckets(everything=True)
-            used = self._used_anywhere() if self.find_unused_parameters else None
-            with record_function("DistributedDataParallel.wait"):
-                self._wait_and_write_back(used)
-            self._backward_clock.mark("comm_end")
+            used = self._used_anywhere(list(self._arrived)) if self.find_unused_parameters else None
+            with record_function("DistributedDataParallel.wait"), torch.no_grad():
+                for bucket in self._buckets:
+                    bucket.wait()
+                if self._stream is not None:
+                    torch.cuda.current_stream(self._device).wait_stream(self._stream)
+                for bucket in self._buckets:
+                    bucket.write_back(self._params, used, self.gradient_as_bucket_view)
+            self._mark("comm_end")
+            if not self._rebuilt:
+                self._rebuild()
         finally:
             for bucket in self._buckets:
-                bucket.pending, bucket.work = len(bucket.indices), None
+                bucket.pending, bucket.work, bucket.sent = len(bucket.indices), None, None
             self._arrived, self._next_bucket = {}, 0
 
-    def _used_anywhere(self) -> list[bool]:
+    def _used_anywhere(self, arrived: list[int]) -> list[bool]:
         # After every bucket, so that all ranks issue their collectives in the same order.
-        counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._buckets[0].buffer.device)
-        counts[list(self._arrived)] = 1
+        counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._device)
+        counts[arrived] = 1
         dist.all_reduce(counts)
         return [bool(count) for count in counts.tolist()]
 
-    @torch.no_grad()
-    def _wait_and_write_back(self, used: list[bool] | None) -> None:
-        for bucket in self._buckets:
-            bucket.wait()
-        if self._stream is not None:
-            torch.cuda.current_stream().wait_stream(self._stream)
-        for bucket in self._buckets:
-            bucket.write_back(self._params, used, self.gradient_as_bucket_view)
+    # join(): uneven inputs, with torch DDP's semantics. torch's Join runs the protocol: a rank out of inputs
+    # leaves its loop and, in Join.__exit__, shadows each iteration the others still run (main_hook below)
+    # until all have joined. Each iteration starts with notify_join_context (an all-reduce: how many ranks
+    # are in), then: the buffer broadcast when that forward broadcasts, from the highest rank still in (rank
+    # 0 may have joined with stale buffers); whether the backward synchronises (so no_sync() iterations are
+    # shadowed too); the buckets (a joined rank sends zeros), the used-parameter all-reduce, the rebuild.
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Train on uneven inputs as with torch DDP's ``join()``: ``with model.join():`` around the loop.
 
-    def _build_plan(self) -> None:
-        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
-        order = agreed_order(list(self._arrived), trainable)
-        self._buckets = build_buckets(order, self._params, self.message_size, self.compress_bf16, self.world_size)
-        self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
-        if dist.get_backend() == "gloo" and any(b.buffer.dtype == torch.float16 for b in self._buckets):
-            warnings.warn(
-                "fp16 gradients on gloo: gloo sums fp16 slowly and with fp16 rounding; "
-                "prefer bf16 or fp32 gradients on CPU",
-                stacklevel=2,
-            )
+        Args:
+            divide_by_initial_world_size: divide by the world size at wrap time (a joined rank counts as a
+                zero gradient); False divides by the number of ranks still training.
+            enable: False makes the context manager do nothing (no per-iteration collectives).
+            throw_on_early_termination: raise on every rank as soon as one runs out, instead.
+        """
+        self._divide_by_initial_world_size = divide_by_initial_world_size
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _ShadowBackward(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+    def _broadcasts_buffers_next_forward(self) -> bool:
+        return self.broadcast_buffers and self._sync_buffers_next_forward and bool(self._replicated_buffers)
+
+    def _sync_buffers(self, candidate: bool) -> None:
+        broadcast_from(self._replicated_buffers, self._common_rank(candidate) if self._join_config.enable else 0)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank among the candidates (a MAX all-reduce every rank calls)."""
+        rank = torch.tensor([dist.get_rank() if candidate else -1], device=self._device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX)
+        return int(rank.item())
+
+    def _announce_backward_sync(self, this_rank: float) -> float:
+        """How many ranks synchronise this iteration's backward (an all-reduce every rank calls)."""
+        flag = torch.tensor([this_rank], device=self._device)
+        dist.all_reduce(flag)
+        return flag.item()
+
+
+class _ShadowBackward(JoinHook):
+    """What a joined rank does for each iteration the others run, and once all have joined."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp._ensure_plan()
+        if ddp._broadcasts_buffers_next_forward():
+            ddp._sync_buffers(candidate=False)
+        should_sync = ddp._announce_backward_sync(0.0) > 0
+        ddp._sync_buffers_next_forward = should_sync
+        if not should_sync:
+            return
+        for work in [bucket.send_zeros(ddp._params) for bucket in ddp._buckets]:
+            work.wait()
+        if ddp.find_unused_parameters:
+            ddp._used_anywhere([])
+        if not ddp._rebuilt:
+            ddp._rebuild()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        broadcast_from([*ddp._params, *ddp._replicated_buffers], ddp._common_rank(candidate=is_last_joiner))
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -308,3 +467,13 @@ def _tensors(output) -> list[torch.Tensor]:
     if isinstance(output, (list, tuple)):
         return [t for item in output for t in _tensors(item)]
     return []
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    """At wrap time, naming the parameter: a sparse gradient has no place in a flat buffer."""
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
+            raise ValueError(
+                f"{name + '.' if name else ''}weight gets sparse gradients, which this DistributedDataParallel "
+                "does not average; construct it with sparse=False, or use torch's DistributedDataParallel"
+            )

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mnist_dist.parallel.buffers import broadcast_from_rank0
+from mnist_dist.parallel.ddp import broadcast_from
 
 # torch.distributed.fsdp and .checkpoint are imported inside the functions that need them: they pull
 # in DTensor and sympy, about 2 s of CPU that every process of every other mode would pay at start.
@@ -79,5 +79,5 @@ def shard(
     # in-place op on it would skip a gradient hook. Neither model nor trainer writes to a group's output.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     if any(True for _ in model.buffers()):
-        model.register_forward_pre_hook(lambda module, args: broadcast_from_rank0(list(module.buffers())))
+        model.register_forward_pre_hook(lambda module, args: broadcast_from(list(module.buffers())))
     return model

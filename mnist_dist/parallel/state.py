@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.parallel.ddp import DistributedDataParallel
+from mnist_dist.parallel.ddp import DistributedDataParallel, broadcast_from
 from mnist_dist.parallel.dp import FunctionalDataParallel
 from mnist_dist.parallel.fsdp import sharded
 
@@ -30,6 +31,14 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 key = prefix + key[len(prefix + "module.") :]
         state[key] = value
     return state
+
+
+def buffers_from_rank0(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none), e.g. before an evaluation:
+    each rank's last training forward updated its BatchNorm statistics from its own share, and rank 0's
+    are the ones a checkpoint saves. Nothing in one process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        broadcast_from(list(model.buffers()))
 
 
 def _full_options():

@@ -51,11 +51,11 @@ CASES = {
     "single_bf16": ["amp=bf16"],
     "single_ckpt100": ["checkpoint_every_steps=100"],  # one mid-epoch checkpoint in the timed steps
     "single_profile": ["profile=true"],  # 5 profiled steps and the trace export in the timed steps
-    "ddp": ["mode=ddp"],  # default message_size: 3 buckets for this convnet
+    "ddp": ["mode=ddp"],  # torch's default buckets: fc2 and fc1, then the convolutions
     "torch_ddp": ["mode=torch_ddp"],
     "ddp_no_overlap": ["mode=ddp", "mode.overlap=false"],
-    "ddp_1_bucket": ["mode=ddp", "mode.message_size=10000000"],
-    "ddp_per_param": ["mode=ddp", "mode.message_size=1"],
+    "ddp_1_bucket": ["mode=ddp", "mode.bucket_cap_mb=25"],
+    "ddp_per_param": ["mode=ddp", "mode.bucket_cap_mb=1e-6"],  # each gradient all-reduced in its .grad
     "fsdp": ["mode=fsdp"],  # each rank holds 1/gpus of the model and gathers each layer group as it runs
 }
 GROUPS = [

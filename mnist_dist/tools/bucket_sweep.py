@@ -6,14 +6,14 @@
 
 Every run is one of bench's: a fresh trainer process on bench's generated data (the classic convnet),
 timed by the trainer itself. Runs are interleaved (for each repeat, for each size: ddp, then torch_ddp), so
-drift in the machine's speed hits both alike. A size is in MB as torch counts them (MiB): torch_ddp gets
-``mode.bucket_cap_mb=<MB>``, ddp ``mode.message_size=<elements(MB)>`` (fp32 elements). Per size and DDP:
+drift in the machine's speed hits both alike. A size is in MB as torch counts them (MiB), given to both as
+``mode.bucket_cap_mb=<MB>``: both cut the same buckets. Per size and DDP:
 images/s (median of the repeats), ddp's paired ratio to torch_ddp, and rank 0's backward counters from
 results.json ``ddp_backward_ms`` (compute, communication, overlapped: ms per backward) with exposed =
 communication - overlapped, also as a share of the step (1000 * batch / images/s ms). The counters
-average every synchronised backward of a run, warm-up included (on CUDA torch's only its sampled ones:
-the first 10 and every 100th). Writes sweep.md, sweep.json and sweep.png (images/s and exposed
-communication against bucket size, log scale).
+average the backwards each samples: ours the step timer's (every ``log_every``-th step), torch's every one
+on a CPU (on CUDA the first 10 and every 100th), warm-up included. Writes sweep.md, sweep.json and
+sweep.png (images/s and exposed communication against bucket size, log scale).
 
 Defaults: 5 sizes x 2 DDPs x 2 repeats = 20 runs of 10 warm-up + 100 timed steps at global batch 64. On
 2 CPU cores a run takes about 20 s (~110 ms a step at ~580 images/s, plus ~8 s to start the ranks and
@@ -39,11 +39,6 @@ REPEATS = 2  # the fewest that pair ddp with torch_ddp twice; a third would take
 DDPS = ("ddp", "torch_ddp")
 
 
-def elements(mb: float) -> int:
-    """fp32 elements in ``mb`` MB as torch's bucket_cap_mb counts them (2**20 bytes): ddp's message_size."""
-    return round(mb * 2**20 / 4)
-
-
 def parse_sizes(text: str | None) -> list[float]:
     """``--sizes`` ("0.25,4") as MB; SIZES_MB when not given."""
     if not text:
@@ -58,10 +53,8 @@ def parse_sizes(text: str | None) -> list[float]:
 
 
 def overrides(ddp: str, mb: float) -> list[str]:
-    """The trainer overrides that run ``ddp`` with buckets of ``mb`` MB."""
-    if ddp == "ddp":
-        return ["mode=ddp", f"mode.message_size={elements(mb)}"]
-    return ["mode=torch_ddp", f"mode.bucket_cap_mb={mb}"]
+    """The trainer overrides that run ``ddp`` with buckets of ``mb`` MB (both cut buckets as torch does)."""
+    return [f"mode={ddp}", f"mode.bucket_cap_mb={mb}"]
 
 
 def exposed(run: dict, batch: int) -> tuple[float, float]:
@@ -79,10 +72,8 @@ def report(samples: list[dict], batch: int) -> list[dict]:
         for ddp in DDPS:
             speeds = [run["images_per_s"] for run in runs[ddp]]
             row = {"size_mb": size, "ddp": ddp, **summarize(speeds), "counters_ms": median_counters(runs[ddp])}
-            if ddp == "ddp":
-                row["message_size"] = elements(size)
-                if runs["torch_ddp"]:  # round i of both ran back to back
-                    row["vs_torch_ddp"] = paired_ratio(speeds, [run["images_per_s"] for run in runs["torch_ddp"]])
+            if ddp == "ddp" and runs["torch_ddp"]:  # round i of both ran back to back
+                row["vs_torch_ddp"] = paired_ratio(speeds, [run["images_per_s"] for run in runs["torch_ddp"]])
             if row["counters_ms"]:
                 ms, shares = zip(*(exposed(run, batch) for run in runs[ddp]))
                 row.update(exposed_ms=statistics.median(ms), exposed_share=statistics.median(shares))
@@ -103,7 +94,7 @@ def markdown(rows: list[dict], settings: dict, machine_info: dict, load: str) ->
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        name = f"ddp (message_size={row['message_size']:,})" if row["ddp"] == "ddp" else row["ddp"]
+        name = row["ddp"]
         ratio = row.get("vs_torch_ddp")
         cells = [f"{row['size_mb']:g}", name, f"{row['median']:,.0f}", f"{row['min']:,.0f} – {row['max']:,.0f}"]
         cells.append(f"{ratio['median']:.2f} ({ratio['min']:.2f} – {ratio['max']:.2f})" if ratio else "")
