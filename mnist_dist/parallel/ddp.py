@@ -30,6 +30,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -68,45 +70,34 @@ def _view(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 class Bucket:
-    """Gradients that travel together: filled with this rank's share of the average, summed over the ranks,
-    written back into ``.grad``."""
+    """Gradients that travel together: this rank's share of their average in, the sum over the ranks out."""
 
     def __init__(self, indices: list[int], params: list[torch.Tensor], compress_bf16: bool, world_size: int):
-        self.indices, self.pending, self.work = indices, len(indices), None
+        self.indices, self.pending, self.work, self.sent = indices, len(indices), None, None
         first = params[indices[0]]
-        self.numel = numel = sum(params[i].numel() for i in indices)
+        self.numel = sum(params[i].numel() for i in indices)
         compress = compress_bf16 and first.dtype == torch.float32
-        # A lone gradient is all-reduced in its .grad: no copy in, no copy out, no buffer.
-        self.buffer = None if len(indices) == 1 and not compress else first.new_empty(numel)
-        self.wire = [first.new_empty(numel, dtype=torch.bfloat16) for _ in range(world_size)] if compress else []
-        self.views, offset = [], 0
-        for i in indices:
-            self.views.append(None if self.buffer is None else _view(self.buffer, params[i], offset))
-            offset += params[i].numel()
-        self.sent: torch.Tensor | None = None  # this backward's sum: the buffer, or the lone .grad
+        # A lone contiguous gradient is all-reduced in its .grad: no copy in, no copy out, no buffer.
+        lone = len(indices) == 1 and not compress and first.is_contiguous()
+        self.buffer = None if lone else first.new_empty(self.numel)
+        self.wire = [first.new_empty(self.numel, dtype=torch.bfloat16) for _ in range(world_size)] if compress else []
+        offsets = accumulate([params[i].numel() for i in indices], initial=0)
+        self.views = [None if lone else _view(self.buffer, params[i], o) for i, o in zip(indices, offsets)]
 
     def send(self, params: list[torch.Tensor], scale: float) -> None:
         """This rank's gradients times ``scale`` into the bucket, and the sum over the ranks started."""
-        if self.buffer is None:
-            param = params[self.indices[0]]
-            grad = param.grad
-            if grad is not None and grad.is_contiguous():
-                self.sent = grad.mul_(scale)
-            else:  # unused here (zeros), or a layout all_reduce does not take
-                self.sent = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                if grad is not None:
-                    self.sent.copy_(grad).mul_(scale)
-        else:
-            for i, view in zip(self.indices, self.views):
-                grad = params[i].grad
-                if grad is None:  # unused here (find_unused_parameters): contribute zeros
-                    view.zero_()
-                elif grad.data_ptr() == view.data_ptr():  # already there (gradient_as_bucket_view)
-                    view.mul_(scale)
-                else:  # the copy and the scaling in one pass, as torch's reducer (mul_out)
-                    torch.mul(grad, scale, out=view)
-            self.sent = self.buffer
-        self.work = self._start(self.sent)
+        for i, view in zip(self.indices, self.views):
+            grad = params[i].grad
+            if view is None:  # lone: in place, unless unused here (zeros) or of another layout
+                self.sent = torch.zeros_like(params[i]) if grad is None else grad
+                self.sent = self.sent.mul_(scale) if self.sent.is_contiguous() else (grad * scale).contiguous()
+            elif grad is None:  # unused here (find_unused_parameters): contribute zeros
+                view.zero_()
+            elif grad.data_ptr() == view.data_ptr():  # already there (gradient_as_bucket_view)
+                view.mul_(scale)
+            else:  # the copy and the scaling in one pass, as torch's reducer (mul_out)
+                torch.mul(grad, scale, out=view)
+        self.work = self._start(self.sent if self.buffer is None else self.buffer)
 
     def _start(self, tensor: torch.Tensor) -> dist.Work:
         if not self.wire:
@@ -120,24 +111,21 @@ class Bucket:
         zeros = self.buffer if self.buffer is not None else params[self.indices[0]].new_empty(self.numel)
         return self._start(zeros.zero_())
 
-    def wait(self) -> None:
-        self.work.wait()
+    def finish(self) -> None:
         if self.wire:
             torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
 
     def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
         for i, view in zip(self.indices, self.views):
-            param = params[i]
+            param, source = params[i], self.sent if view is None else view
             if used is not None and not used[i] or not param.requires_grad:  # .grad untouched, as torch DDP
                 continue
-            source = self.sent if view is None else view  # a lone gradient's sum, or its place in the buffer
-            grad = param.grad
-            if grad is not None and grad.data_ptr() == source.data_ptr():
+            if param.grad is not None and param.grad.data_ptr() == source.data_ptr():
                 continue  # reduced where it lies
-            if grad is None or as_view and view is not None:
+            if param.grad is None or as_view and view is not None:
                 param.grad = source if view is None or as_view else source.clone()
             else:
-                grad.copy_(source)
+                param.grad.copy_(source)
         self.pending, self.work, self.sent = len(self.indices), None, None
 
 
@@ -173,6 +161,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradient_as_bucket_view: each ``.grad`` becomes a view of its bucket after its first synchronised
             backward, as torch DDP's option: one copy and one gradient's memory fewer.
         compress_bf16: send fp32 gradients as bf16 (half the bytes) and add them up in fp32.
+        peer_wait_s: on gloo, how long a backward waits for the other ranks' share before it raises, naming
+            the likely cause: ranks that run different numbers of steps without ``join()`` would otherwise
+            hang for gloo's half hour. Raise it if a rank is legitimately that much slower (evaluating alone).
     """
 
     def __init__(
@@ -184,6 +175,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
         compress_bf16: bool = False,
+        peer_wait_s: float = 60.0,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -196,6 +188,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.compress_bf16 = compress_bf16
         self.clock = None  # an object with mark(name) to time backward (see the module's docstring)
         self.world_size = dist.get_world_size()
+        # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
+        self._peer_wait = timedelta(seconds=peer_wait_s) if dist.get_backend() == "gloo" else None
+        self._backwards = 0  # synchronised backward passes finished
         cap = int((DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
         self._caps = [FIRST_CAP_MB * MIB, cap] if bucket_cap_mb is None else [cap]
         named = list(module.named_parameters())
@@ -361,12 +356,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             used = self._used_anywhere(list(self._arrived)) if self.find_unused_parameters else None
             with record_function("DistributedDataParallel.wait"), torch.no_grad():
                 for bucket in self._buckets:
-                    bucket.wait()
+                    self._wait(bucket.work)
+                    bucket.finish()
                 if self._stream is not None:
                     torch.cuda.current_stream(self._device).wait_stream(self._stream)
                 for bucket in self._buckets:
                     bucket.write_back(self._params, used, self.gradient_as_bucket_view)
             self._mark("comm_end")
+            self._backwards += 1
             if not self._rebuilt:
                 self._rebuild()
         finally:
@@ -378,8 +375,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         # After every bucket, so that all ranks issue their collectives in the same order.
         counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._device)
         counts[arrived] = 1
-        dist.all_reduce(counts)
+        self._wait(dist.all_reduce(counts, async_op=True))
         return [bool(count) for count in counts.tolist()]
+
+    def _wait(self, work: dist.Work) -> None:
+        if self._peer_wait is None:
+            work.wait()
+            return
+        try:
+            work.wait(self._peer_wait)
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            # Worded without "time out": a launcher must not take this rank for one that waited on a stuck peer.
+            raise RuntimeError(
+                f"rank {dist.get_rank()} waited {self._peer_wait.total_seconds():g} s for the other ranks in the "
+                f"all-reduce of its backward pass {self._backwards + 1}, and they never joined it: the ranks ran "
+                "different numbers of steps (a data set that does not split evenly?). Give every rank the same "
+                "number of batches, or train inside `with model.join():`"
+            ) from None
 
     # join(): uneven inputs, with torch DDP's semantics. torch's Join runs the protocol: a rank out of inputs
     # leaves its loop and, in Join.__exit__, shadows each iteration the others still run (main_hook below)
