@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import sys
 from contextlib import ExitStack
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mnist_dist import checkpoint, preemption, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
-from mnist_dist.errors import DataError, describe_os_error, last_resort, raise_on_interrupt, rank_log
+from mnist_dist.errors import DataError, describe_os_error, interrupted, last_resort, raise_on_interrupt, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.step import TrainingDiverged
 from mnist_dist.topology import launched_rank, launcher
@@ -72,7 +73,7 @@ def _run(cfg: DictConfig) -> None:
         sys.stderr.write(f"{stop}\n")
         sys.exit(preemption.REQUEUE)
     except KeyboardInterrupt:
-        sys.exit(_interrupted(written or [run_dir]))
+        interrupted(_interrupted(written or [run_dir]))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
         outcome.keep_logs = True
         sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
@@ -93,8 +94,9 @@ def _interrupted(written: list[Path]) -> str:
     if launched_rank():
         return f"rank {launched_rank()} interrupted"  # rank 0 says where the run stands
     saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
-    if saved:
-        return f"interrupted; the last complete checkpoint is {saved[0]} (resume={saved[0].parent} goes on from it)"
+    if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.compatibility)
+        again = shlex.join(["python", "-m", "mnist_dist", f"resume={saved[0].parent}"])
+        return f"interrupted; the last complete checkpoint is {saved[0]}; go on with: {again}"
     return "interrupted before the first checkpoint; nothing was saved"
 
 
@@ -143,7 +145,7 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:  # between a sweep's runs, or as one ends
-        sys.exit("interrupted; every run that printed its run directory is complete")
+        interrupted("interrupted; every run that printed its run directory is complete")
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
     except OSError as error:  # Hydra could not create the run directory

@@ -60,5 +60,17 @@ def make_scheduler(
     (OneCycleLR) plans the whole run's steps and is given them; the others step after every epoch."""
     factory = instantiate(scheduler_cfg)
     if "total_steps" in inspect.signature(factory.func).parameters:
-        return factory(optimizer, total_steps=total_steps), True
+        return factory(optimizer, total_steps=total_steps, **_one_cycle_fix(factory, total_steps)), True
     return factory(optimizer), False
+
+
+def _one_cycle_fix(factory, total_steps: int) -> dict:
+    # OneCycleLR's warm-up ends at step pct_start x total_steps - 1, and torch divides by that length: a
+    # warm-up of one step (0.25 x 4: recipe=fast at 4 epochs of 1 step) ends at step 0 and raises
+    # ZeroDivisionError. A warm-up that ends just before step 0 is the same schedule (step 0 at the peak).
+    if not (isinstance(factory.func, type) and issubclass(factory.func, torch.optim.lr_scheduler.OneCycleLR)):
+        return {}
+    pct_start = factory.keywords.get("pct_start", 0.3)
+    if factory.keywords.get("three_phase") or float(pct_start * total_steps) - 1 != 0:
+        return {}
+    return {"pct_start": pct_start * (1 - 1e-9)}

@@ -1,21 +1,27 @@
-"""Whether a checkpoint may resume this config, checked in the parent before anything is written: the
-same model, global batch and data (unless told otherwise), weights and optimizer state that fit, a
+"""What a resume runs with and whether the checkpoint may resume it, checked in the parent before anything is
+written. A resume takes the run's own config (``resumed_config``), with only what the command sets; then
+the same model, global batch and data (unless told otherwise), weights and optimizer state that fit, a
 schedule over all steps of the same length, epochs left to train.
 
-The checkpoint's config is read as plain YAML (``saved_settings``): no interpolation, no resolver, no
-alias, bounded in size.
+The checkpoint's config is read as plain YAML (``_plain``): no interpolation, no resolver, no alias,
+bounded in size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.errors import ConfigError
+from mnist_dist.modes import MODES
 
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 
@@ -34,24 +40,98 @@ class _PlainYaml(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
+# The key that names a group's class: another class brings its own keys
+GROUPS = {"mode": "name", "model": "_target_", "optim": "_target_", "scheduler": "_target_"}
+
+
+def _plain(state: dict) -> Any:
+    text = state["config"]
+    if len(text.encode()) > CONFIG_BYTES:
+        raise ConfigError(REFUSED.format("is over 1 MiB, far more than mnist_dist writes"))
+    try:
+        return yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
+    except _Aliased:
+        raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes")) from None
+    except Exception:  # not YAML, nested too deep: the same to the user as a config of another program
+        return None
+
+
 def saved_settings(state: dict) -> dict:
     """What the resume check compares, from the checkpoint's config read as plain data: model, batch_size,
     epochs and the data set's name. Never through OmegaConf, whose interpolations and resolvers
     (``${oc.env:...}``, or mnist_dist's ``unique_dir``, which creates directories) a crafted file would run."""
-    text, refused = state["config"], "resume: the checkpoint's config {}; resume another checkpoint.pt"
-    if len(text.encode()) > CONFIG_BYTES:
-        raise ConfigError(refused.format("is over 1 MiB, far more than mnist_dist writes"))
+    saved = _plain(state)
     try:
-        saved = yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
         settings = {key: saved[key] for key in ("model", "batch_size", "epochs")} | {"data": saved["data"]["name"]}
-    except _Aliased:
-        raise ConfigError(refused.format("uses YAML aliases, which mnist_dist never writes")) from None
-    except Exception:  # not YAML, not a mapping, a key missing, nested too deep: the same to the user
+    except Exception:  # not a mapping, a key missing: the same to the user
         settings = {}
     kinds = {"model": dict, "batch_size": int, "epochs": int, "data": str}
     if not all(type(settings.get(key)) is kind for key, kind in kinds.items()):  # bool is no batch size
-        raise ConfigError(refused.format("is not a mnist_dist config"))
+        raise ConfigError(REFUSED.format("is not a mnist_dist config"))
     return settings
+
+
+def resumed_config(state: dict, cfg: Config, named: Sequence[str] = ()) -> Config:
+    """The checkpoint's own config, with what this command sets: the settings in which ``cfg`` differs from
+    the defaults, and those ``named`` on its command line (``epochs=14`` is set, though it is the default).
+    A group whose class the command changes (``model=resnet``) is the command's whole."""
+    saved_settings(state)  # the parts every check reads are there, of their types
+    saved, mine, default = _plain(state), _leaves(_container(cfg)), _leaves(_container(_defaults()))
+    keys = {arg.lstrip("~+").split("=", 1)[0] for arg in named}
+    chosen = {path for path in mine if mine[path] != default.get(path, _NONE) or _under(path, keys)}
+    chosen |= {path for path in default if path not in mine}  # ~model.dropout
+    replaced = {group for group, key in GROUPS.items() if f"{group}.{key}" in chosen}
+    merged = {path: value for path, value in _leaves(saved).items() if path.split(".")[0] not in replaced}
+    merged |= {path: mine[path] for path in mine if path in chosen or path.split(".")[0] in replaced}
+    merged = {path: value for path, value in merged.items() if path in mine or path not in chosen}
+    merged["resume"] = cfg.resume
+    if any("${" in str(part) for item in merged.items() for part in item):  # never resolved: refused
+        raise ConfigError(REFUSED.format("is not a mnist_dist config"))
+    try:
+        tree = _tree(merged)
+        conf = OmegaConf.structured(Config)
+        name = tree["mode"]["name"]
+        conf.mode = OmegaConf.merge(OmegaConf.structured(MODES[name].schema(name=name)), tree.pop("mode"))
+        return OmegaConf.to_object(OmegaConf.merge(conf, tree))  # typed: a wrong type or unknown key fails
+    except Exception:
+        raise ConfigError(REFUSED.format("is not a mnist_dist config")) from None
+
+
+_NONE = object()
+
+
+def _defaults() -> Config:
+    if GlobalHydra.instance().is_initialized():  # in the command's own Hydra job
+        return OmegaConf.to_object(compose("config"))
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        return OmegaConf.to_object(compose("config"))
+
+
+def _container(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model._target_": ..., "data.name": ...}``: the settings of a config tree by dotted path."""
+    if not isinstance(tree, dict) or (prefix and not tree):
+        return {prefix[:-1]: tree} if prefix else {}
+    return {path: v for key, value in tree.items() for path, v in _leaves(value, f"{prefix}{key}.").items()}
+
+
+def _tree(leaves: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in leaves.items():
+        *parents, key = path.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[key] = value
+    return tree
+
+
+def _under(path: str, keys: set[str]) -> bool:
+    return any(path == key or path.startswith(f"{key}.") for key in keys)
 
 
 def check_resumable(state: dict, cfg: Config) -> None:
@@ -59,16 +139,23 @@ def check_resumable(state: dict, cfg: Config) -> None:
     the run could not restore: checked before anything is written. Another world size is no change: the
     global batches, and so the training, are the same at every world size that divides the batch."""
     saved = saved_settings(state)
-    compared = [
-        ("model", saved["model"], cfg.model),
-        ("batch_size", saved["batch_size"], cfg.batch_size),
-        ("data", saved["data"], cfg.data.name),
-    ]
-    changes = [f"{key} {_shown(before)} -> {_shown(after)}" for key, before, after in compared if before != after]
-    if changes and not cfg.resume_allow_changes:
+    before = _leaves({"model": saved["model"], "batch_size": saved["batch_size"], "data": {"name": saved["data"]}})
+    mine = _container(cfg)
+    after = _leaves({"model": mine["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
+    changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
+    if changed and not cfg.resume_allow_changes:
+        changes = "; ".join(f"{path} {_shown(before, path)} -> {_shown(after, path)}" for path in changed)
+        whole = "model" if "model._target_" in changed else None  # another class: leave out model=...
+        names = list(dict.fromkeys(whole if path.startswith("model.") and whole else path for path in changed))
+        try:
+            _check_restorable(state, cfg)
+            allowed = ", or add resume_allow_changes=true if that is intended"
+        except ConfigError:  # weights that do not fit: allowing the change would not help
+            allowed = ""
         raise ConfigError(
-            f"resume: the checkpoint was trained with other settings ({'; '.join(changes)}); "
-            "use the same settings, or resume_allow_changes=true if that is intended"
+            f"resume: this command changes what the checkpoint was trained with ({changes}); leave "
+            f"{' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)} out to go on with "
+            f"the run's own{allowed}"
         )
     if _check_restorable(state, cfg):
         _check_plan(state, saved, cfg)
@@ -84,8 +171,9 @@ def check_resumable(state: dict, cfg: Config) -> None:
         )
 
 
-def _shown(value: Any) -> str:
-    text = str(value).replace("\n", "\\n")  # a crafted value must not break the one line, nor fill a screen
+def _shown(settings: dict, path: str) -> str:
+    # a crafted value must not break the one line, nor fill a screen
+    text = str(settings.get(path, "(none)")).replace("\n", "\\n")
     return text if len(text) <= 200 else f"{text[:200]}..."
 
 

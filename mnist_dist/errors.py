@@ -8,8 +8,10 @@ import errno
 import logging
 import os
 import signal
+import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 
 class ConfigError(ValueError):
@@ -88,37 +90,51 @@ def console_handler() -> logging.Handler:
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
+# What stops a command as Ctrl-C does: a terminal's Ctrl-C and hang-up, `kill`, and SIGUSR1 (a scheduler's
+# warning; under srun mnist_dist.preemption answers it with a checkpoint instead).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+_received: list[int] = []  # the signal that interrupted the command, for its exit status
 
 
 def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
-    """Until the command's own handling is in place: Ctrl-C or SIGTERM ends the process at once, with
-    ``message`` as its one line and exit status 1.
+    """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at
+    once, with ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C).
 
     For a command's first seconds, while torch and Hydra are imported: a KeyboardInterrupt there is a
     traceback from deep inside the import machinery, and an exception raised there can even be lost
     (C code that imports a module and clears the error when it fails), leaving the command running.
     So the handler exits instead of raising: nothing has started that would need cleaning up. A
-    SIGINT that was ignored (a job started with ``&`` from a script) stays ignored.
+    signal that was ignored (SIGINT of a job started with ``&`` from a script, SIGHUP under nohup) stays
+    ignored.
     """
 
     def leave(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
-        os._exit(1)
+        os._exit(128 + signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, leave)
 
 
 def raise_on_interrupt() -> None:
-    """From now on Ctrl-C or SIGTERM raises KeyboardInterrupt, so that ``finally`` clauses run (they stop
-    the workers and tidy the run directory); another one while they run ends the process at once (its
-    workers die with it: mnist_dist.parallel.spawn)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 raises KeyboardInterrupt, so that ``finally`` clauses
+    run (they stop the workers and tidy the run directory); another one while they run ends the process at
+    once (its workers die with it: mnist_dist.parallel.spawn)."""
+    for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _raise_interrupt)
 
 
 def _raise_interrupt(signum, frame) -> None:
+    _received.append(signum)
     exit_on_interrupt("interrupted again: stopped at once")
     raise KeyboardInterrupt
+
+
+def interrupted(message: str) -> NoReturn:
+    """Ends an interrupted command: ``message`` as its one line, and the status a shell gives a process
+    that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
+    interrupt from a failure (1)."""
+    sys.stderr.write(f"{message}\n")
+    sys.exit(128 + (_received[0] if _received else signal.SIGINT))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mnist_dist import checkpoint, compatibility, guards, preemption, rundir
-from mnist_dist.config import Config, ConfigError, data_root
+from mnist_dist.config import Config, ConfigError, data_root, validate
 from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
 from mnist_dist.modes import MODES, Processes, world_size
@@ -44,7 +44,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     """
     if launcher():
         return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size
-    run_dir = _resume(cfg, run_dir, world_size(cfg))
+    cfg, run_dir = _resume(cfg, run_dir, overrides)
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
     guards.check_cpu_capacity(topology)
@@ -93,7 +93,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
-    run_dir = _resume(cfg, run_dir, topology.world_size)
+    cfg, run_dir = _resume(cfg, run_dir, overrides, topology.world_size)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
@@ -104,8 +104,9 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     return train(cfg, run_dir, data_dir, topology)
 
 
-def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
-    """Checks what ``resume=`` names before anything is overwritten; returns the directory the run goes on in.
+def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0) -> tuple[Config, Path]:
+    """Checks what ``resume=`` names before anything is overwritten; returns the config the run goes on with
+    (the checkpoint's own, with what the command line sets) and the directory it goes on in.
 
     ``auto`` resumes ``run_dir``'s newest readable checkpoint if it has one, else starts fresh: what a
     restarted torchrun job or a requeued SLURM job, relaunched with the same command, needs.
@@ -114,10 +115,14 @@ def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
         found = checkpoint.newest_readable(run_dir)  # past an unreadable checkpoint.pt, saying so
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
-        return run_dir
+        return cfg, run_dir
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
+    cfg = compatibility.resumed_config(state, cfg, overrides)
+    cfg.resume = str(path)
+    validate(cfg)
     compatibility.check_resumable(state, cfg)
+    ranks = ranks or world_size(cfg)
     if state["world_size"] != ranks:
         log.info(
             "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
@@ -125,8 +130,7 @@ def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
             state["world_size"],
             ranks,
         )
-    cfg.resume = str(path)
-    return path.parent  # the run goes on in its own directory
+    return cfg, path.parent  # the run goes on in its own directory
 
 
 def _check_port(port: int) -> None:

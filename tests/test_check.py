@@ -102,3 +102,9 @@ def test_a_model_that_cannot_be_built_is_one_line():
     with pytest.raises(SystemExit) as exit:
         check.main(["model._target_=test_check.NoSuchNet"])
     assert str(exit.value).startswith("error: model._target_=test_check.NoSuchNet cannot be imported")
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage(capsys, flag):
+    assert check.main([flag]) == 0
+    assert capsys.readouterr().out.startswith("Pre-flight check")

@@ -84,3 +84,68 @@ def test_each_run_says_the_overrides_it_runs_with(tiny_root, tmp_path, monkeypat
     with pytest.raises(Stop):
         compare.run_rounds(configs, 1, tmp_path / "out", lambda: 0.0)
     assert said == [f"data.root={tiny_root} gpus=2 mode=ddp model.dropout=false"]
+
+
+def never(*args, **kwargs):
+    raise AssertionError("no run may start after a bad option")
+
+
+@pytest.mark.parametrize(
+    "option, line",
+    [
+        ("repeats=0", "error: repeats=0 must be a whole number of rounds, at least 1"),
+        ("repeats=abc", "error: repeats=abc must be a whole number of rounds, at least 1"),
+        ("modes=[]", "error: modes=[] names no mode; e.g. modes=[single,ddp], from: single, dp, "),
+        ("modes=5", "error: modes=5: 5 is not a mode; e.g. modes=[single,ddp], from: single, dp, "),
+        ("modes=[single", "error: modes=[single is not a list of modes; e.g. modes=[single,ddp], from: single, "),
+        ("tolerance=abc", "error: tolerance=abc must be a number, at least 0"),
+        ("early_tolerance=-1", "error: early_tolerance=-1 must be a number, at least 0"),
+        ("mode=single,ddp", "error: mode=single,ddp: compare runs each mode of modes=; pass modes=single,ddp"),
+        ("epoch=1", "error: Could not override 'epoch'"),
+    ],
+)
+def test_every_bad_option_is_one_error_line_before_any_run(tiny_root, monkeypatch, option, line):
+    monkeypatch.setattr(compare, "run_rounds", never)
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([option, f"data.root={tiny_root}", "data.mirrors=[]"])
+    message = exit_.value.code  # sys.exit(message): status 1
+    assert isinstance(message, str) and message.startswith(line) and "\n" not in message, message
+    if option == "epoch=1":  # compare's own keys are valid keys too
+        assert message.endswith(", modes, tolerance, early_tolerance, repeats (compare's own)")
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage(monkeypatch, capsys, flag):
+    monkeypatch.setattr(compare, "run_rounds", never)
+    assert compare.main([flag]) == 0
+    assert capsys.readouterr().out.startswith("Do my modes agree")
+
+
+def test_two_compares_in_one_second_get_two_directories(tmp_path):
+    first, second = compare.fresh_dir(tmp_path / "12-00-00"), compare.fresh_dir(tmp_path / "12-00-00")
+    assert (first.name, second.name) == ("12-00-00", "12-00-00_2") and first.is_dir() and second.is_dir()
+
+
+def test_an_interrupted_compare_leaves_no_half_run_and_says_the_time_first(tiny_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
+    def launch(cfg, run_dir, overrides=()):
+        (run_dir / "rank_0.log").write_text("started\n")
+        if cfg.mode.name == "ddp":
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the second run
+        (run_dir / "results.json").write_text(json.dumps({"train_images_per_s": 1.0, "wall_time_s": 90.0}))
+
+    monkeypatch.setattr(compare, "launch", launch)
+    monkeypatch.setattr(compare, "loss_curve", lambda run_dir: {1: 1.0})
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(["modes=[single,ddp]", "repeats=2", f"data.root={tiny_root}", "data.mirrors=[]"])
+    assert exit_.value.code == 130
+    (out,) = (tmp_path / "outputs" / "compare").glob("*/*")
+    assert [p.name for p in out.iterdir()] == ["single"]  # complete; the interrupted ddp run is gone
+    said = capsys.readouterr()
+    assert "compare: 2 modes x 2 rounds = 4 runs; the time left is said after the first" in said.out
+    assert "compare: single took 0:01:30; the 3 runs left take about 0:04:30 at its pace" in said.out
+    assert (
+        said.err.strip().splitlines()[-1]
+        == f"interrupted; no report written (the complete runs: {out.relative_to(tmp_path)})"
+    )

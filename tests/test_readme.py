@@ -225,3 +225,22 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
     assert accuracy >= 0.85  # on any machine: one epoch of the fast recipe learns
     if torch.backends.cpu.get_cpu_capability() == kernels:  # other kernels round differently
         assert f"{100 * accuracy:.2f}" == claimed
+
+
+def test_the_readmes_runs_and_comparison_train_data_that_is_here_offline(tmp_path):
+    # MNIST cannot be downloaded without internet; the Debian package's Fashion-MNIST is on the machine.
+    commands = [
+        words for lang, body in code_blocks(README.read_text()) if lang == "bash" for words in shell_commands(body)
+    ]
+    checked = 0
+    for words in commands:
+        compare = words[1:3] == ["-m", "mnist_dist.tools.compare"]
+        overrides = words[3:] if compare else trainer_overrides(words)
+        if overrides is None or any(PLACEHOLDER.search(word) for word in overrides):
+            continue
+        overrides = [o for o in overrides if not o.startswith("modes=")]
+        for job in jobs(overrides):
+            cfg = compose_config(tmp_path, *job)
+            assert (cfg.data.name, cfg.data.mirrors) == ("fashion_mnist", [str(FASHION)]), shlex.join(words)
+            checked += 1
+    assert checked >= 5  # the first command, the three Modes lines, the sweep, the compare

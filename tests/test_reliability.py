@@ -23,6 +23,7 @@ from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]
+RESUME = "python -m mnist_dist resume="  # what an interrupted run prints to go on with, before its directory
 
 
 def start(tmp_path, *overrides, **popen):
@@ -154,9 +155,9 @@ def test_sigterm_stops_every_worker_and_names_the_checkpoint_that_resumes(tiny_r
     assert wait_for(saved.exists)
     process.send_signal(signal.SIGTERM)  # to the launcher alone, as `kill` or a scheduler sends it
     code, err = finish(process)
-    assert code == 1 and "Traceback" not in err, err
+    assert code == 143 and "Traceback" not in err, err  # 128 + SIGTERM, as a shell says a signal ended it
     last = err.strip().splitlines()[-1]
-    assert last == f"interrupted; the last complete checkpoint is {saved} (resume={run} goes on from it)"
+    assert last == f"interrupted; the last complete checkpoint is {saved}; go on with: {RESUME}{run}"
     assert len(list(pids.iterdir())) == 2
     _workers_gone(pids)
     # The checkpoint resumes: in this process, whose spawned ranks fork from a server that has imported
@@ -192,11 +193,11 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
         assert wait_for(lambda: len(list(pids.iterdir())) == 2, every_s=0.02)
     os.killpg(process.pid, signal.SIGINT)
     code, err = finish(process)
-    assert code == 1 and "Traceback" not in err, err
+    assert code == 130 and "Traceback" not in err, err  # 128 + SIGINT: an interrupt, not a failure
     run, saved = tmp_path / "run", tmp_path / "run" / "checkpoint.pt"
     last = err.strip().splitlines()[-1]
     if saved.exists():  # the checkpoint that resume would go on from, and only if there is one
-        assert last == f"interrupted; the last complete checkpoint is {saved} (resume={run} goes on from it)"
+        assert last == f"interrupted; the last complete checkpoint is {saved}; go on with: {RESUME}{run}"
     else:
         assert last in NOTHING_SAVED and not run.exists()  # and nothing of the run is left
     _workers_gone(pids)
@@ -643,8 +644,9 @@ def cli_in_process(monkeypatch):
     """``python -m mnist_dist <argv>``'s main() in this process (no torch import to pay): returns what it
     exits with. Its signal handlers are the command's: put back afterwards."""
     from mnist_dist import __main__ as command
+    from mnist_dist.errors import STOP_SIGNALS
 
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 
     def run(*argv: str):
         monkeypatch.setattr(sys, "argv", ["mnist_dist", *argv])
@@ -682,7 +684,7 @@ def test_a_directory_that_held_files_is_left_as_it_was_after_a_failure(tiny_root
 
 
 def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
-    tiny_root, trained, tmp_path, monkeypatch, cli_in_process
+    tiny_root, trained, tmp_path, monkeypatch, cli_in_process, capsys
 ):
     from mnist_dist import __main__ as command
 
@@ -696,12 +698,16 @@ def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
     code = cli_in_process(
         f"data.root={tiny_root}", "batch_size=32", "epochs=2", f"resume={run}", f"hydra.run.dir={tmp_path}/new"
     )
-    assert code == f"interrupted; the last complete checkpoint is {run}/checkpoint.pt (resume={run} goes on from it)"
+    assert code == 130  # 128 + SIGINT: an interrupt, not a failure
+    assert capsys.readouterr().err == (
+        f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: python -m mnist_dist "
+        f"resume={run}\n"
+    )
     assert not (tmp_path / "new").exists()  # the fresh directory Hydra made for the launch
 
 
 def test_an_interrupt_before_the_first_checkpoint_says_nothing_was_saved_and_leaves_nothing(
-    tiny_root, tmp_path, monkeypatch, cli_in_process
+    tiny_root, tmp_path, monkeypatch, cli_in_process, capsys
 ):
     from mnist_dist import __main__ as command
 
@@ -713,7 +719,8 @@ def test_an_interrupt_before_the_first_checkpoint_says_nothing_was_saved_and_lea
 
     monkeypatch.setattr(command, "launch", interrupted)
     code = cli_in_process(f"data.root={tiny_root}", *TINY, f"hydra.run.dir={tmp_path}/run")
-    assert code == "interrupted before the first checkpoint; nothing was saved"
+    assert code == 130
+    assert capsys.readouterr().err == "interrupted before the first checkpoint; nothing was saved\n"
     assert not (tmp_path / "run").exists()
 
 
@@ -733,7 +740,7 @@ SLOW_MODEL = ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-
             ["mnist_dist.tools.compare", "modes=[single,ddp]", "repeats=1", "epochs=50", "+model.step_seconds=0.05"],
             "== round 1/1: single",
             signal.SIGINT,
-            "interrupted; no report written (the runs so far: outputs/compare/",
+            "interrupted; no report written",  # its one run did not finish: removed
         ),
         (
             ["mnist_dist.tools.check", "+model.step_seconds=5"],  # each mode's step: 5 s at least
@@ -764,5 +771,6 @@ def test_the_tools_end_an_interrupt_with_one_line(tiny_root, tmp_path, command, 
     assert _line_starting(process, started)
     os.killpg(process.pid, signum)  # Ctrl-C: the whole job, as from a terminal; SIGTERM: the same, as `kill -- -<pgid>`
     code, err = finish(process)
-    assert code == 1 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith(last)
+    assert code == 128 + signum and "Traceback" not in err, err  # an interrupt, not a failure (1)
+    assert err.strip().splitlines()[-1] == last
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("rank_0.log"))

@@ -63,12 +63,14 @@ def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused
     mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
     try:
         with caplog.at_level(logging.INFO, logger="mnist_dist"):
-            _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3"), two_ranks, 3)
+            _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3"), two_ranks, (), 3)
     finally:
         mnist_dist_log.propagate = before
     assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
     with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
-        _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3", "batch_size=24"), None, 3)
+        _resume(
+            compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3", "batch_size=24"), None, (), 3
+        )
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from mnist_dist.errors import exit_on_interrupt, raise_on_interrupt
+from mnist_dist.errors import exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch: seconds): Ctrl-C meanwhile is one line too
@@ -340,4 +340,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:
-        sys.exit("interrupted; no report written")
+        interrupted("interrupted; no report written")

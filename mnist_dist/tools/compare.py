@@ -2,7 +2,7 @@
 
     python -m mnist_dist.tools.compare modes=[single,dp,ddp,torch_ddp] gpus=2 data=fashion_mnist epochs=1
 
-``tolerance=`` and ``early_tolerance=`` set the verdict's bounds (see below), ``repeats=`` the rounds
+``tolerance=`` (default 0.05) and ``early_tolerance=`` (1e-4) set the verdict's bounds, ``repeats=`` the rounds
 (3: every mode runs once per round, rounds interleaved like bench's, so a machine that slows down
 slows every mode alike; images/s is the median over rounds, with its spread); any other argument is
 a Hydra override applied to every mode. Dropout is turned off when the model
@@ -12,6 +12,8 @@ outputs/compare/<date>/<time>/, beside the run directories (``<mode>`` for round
 after it), and exits 1 if the modes disagree. Loss and accuracy come from round 1: runs are
 deterministic, so the other rounds only time the same computation again. A warning line says when
 the throughput column is not to be trusted: a spread over 10 % or a load average above the cores.
+It says the number of runs before the first, and the time the rest will take once the first is done. A run
+that Ctrl-C or an error stops is removed: only complete runs stay. ``-h``: this text.
 """
 
 from __future__ import annotations
@@ -19,19 +21,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
-from mnist_dist.errors import DataError, exit_on_interrupt, raise_on_interrupt
+from mnist_dist.errors import DataError, exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
 
 import matplotlib
-import yaml
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -44,17 +47,11 @@ from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.modes import world_size
 from mnist_dist.step import TrainingDiverged
 from mnist_dist.tensorboard import read_scalars
+from mnist_dist.tools import compare_options
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-DEFAULT_MODES = ["single", "dp", "ddp", "torch_ddp"]
-# Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means),
-# so fp32 rounding differs from the first step, and training amplifies it over a run (docs/reproducibility.md
-# shows by how much on Fashion-MNIST). So the first logged step must agree closely and the rest loosely.
-DEFAULT_EARLY_TOLERANCE = 1e-4
-DEFAULT_TOLERANCE = 0.05
-DEFAULT_REPEATS = 3
 # Above this spread ((max - min) / median of a mode's images/s over the rounds) the ranking of modes
 # within it is noise: runs on an idle 2-core machine vary by about this much.
 SPREAD_WARNING = 0.10
@@ -188,33 +185,30 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
 
 def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]) -> int:
     """``load``: the machine's load average now (injectable, so tests can play a busy machine)."""
-    options = {
-        "modes": DEFAULT_MODES,
-        "tolerance": DEFAULT_TOLERANCE,
-        "early_tolerance": DEFAULT_EARLY_TOLERANCE,
-        "repeats": DEFAULT_REPEATS,
-    }
-    overrides = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in options:
-            options[key] = yaml.safe_load(value)
-        else:
-            overrides.append(arg)
-    if isinstance(options["modes"], str):  # modes=single,ddp: a comma list, as Hydra's -m takes it
-        options["modes"] = [mode.strip() for mode in options["modes"].split(",")]
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
+    overrides: list[str] = []
     try:
+        options, overrides = compare_options.parse(argv)
         configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
+        out = fresh_dir(out)
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error, overrides)}")
+        message = describe_hydra_error(error, overrides)
+        if "; valid keys: " in message:
+            message += f", {compare_options.OWN_KEYS} (compare's own)"
+        sys.exit(f"error: {message}")
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:
-        sys.exit(f"interrupted; no report written{f' (the runs so far: {out})' if out.exists() else ''}")
+        kept = out.is_dir() and any(out.iterdir())
+        if out.is_dir() and not kept:
+            out.rmdir()  # nothing complete in it
+        interrupted(f"interrupted; no report written{f' (the complete runs: {out})' if kept else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
     report["machine"] = machine.describe()
     report["load_average_max"] = peak_load
@@ -226,6 +220,18 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     chart(report, curves, out / "compare.png")
     print(f"wrote {out}/compare.md, compare.json, compare.png")
     return 0 if report["agree"] else 1
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path`` created, or ``path_2``, ``path_3``, ... when another compare of the same second has it."""
+    for n in range(1, 1000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise ConfigError(f"{path}: 999 compares in one second; remove some of {path.parent}")
 
 
 def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[Config, list[str]]]:
@@ -258,19 +264,29 @@ def _has_batchnorm(model_cfg) -> bool:
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
     """Runs every mode once per round, modes alternating; returns round 1's results and curves, every
-    round's images/s per mode, and the highest load average seen before a run."""
+    round's images/s per mode, and the highest load average seen before a run. A run that does not finish
+    (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
+    runs = len(configs) * repeats
+    print(f"compare: {len(configs)} modes x {repeats} rounds = {runs} runs; the time left is said after the first")
     for round_ in range(1, repeats + 1):
         for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
             run_dir.mkdir(parents=True)
             peak_load = max(peak_load, load())
             print(f"== round {round_}/{repeats}: {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
-            launch(cfg, run_dir, said)
+            try:
+                launch(cfg, run_dir, said)
+            except BaseException:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise
             result = json.loads((run_dir / "results.json").read_text())
             speeds[mode].append(result["train_images_per_s"])
             if round_ == 1:
                 results[mode], curves[mode] = result, loss_curve(run_dir)
+            if len(results) == 1 and round_ == 1 and runs > 1:
+                took, left = timedelta(seconds=round(result["wall_time_s"])), runs - 1
+                print(f"compare: {mode} took {took}; the {left} runs left take about {took * left} at its pace")
     return results, curves, speeds, max(peak_load, load())
 
 

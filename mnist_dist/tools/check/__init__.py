@@ -41,6 +41,9 @@ def run_checks(cfg: Config) -> list[Line]:
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):  # Hydra would read it as an override
+        print(__doc__)
+        return 0
     try:
         with initialize_config_module("mnist_dist.conf", version_base="1.3"):
             cfg: Config = OmegaConf.to_object(compose("config", overrides=argv))

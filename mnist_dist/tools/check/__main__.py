@@ -2,11 +2,11 @@
 
 import sys
 
-from mnist_dist.errors import raise_on_interrupt
+from mnist_dist.errors import interrupted, raise_on_interrupt
 from mnist_dist.tools.check import main
 
 raise_on_interrupt()  # Ctrl-C and SIGTERM: the check's ranks are stopped, then one line
 try:
     sys.exit(main(sys.argv[1:]))
 except KeyboardInterrupt:
-    sys.exit("interrupted; the checks did not finish")
+    interrupted("interrupted; the checks did not finish")
