@@ -6,23 +6,16 @@ The user writes the same lines as with torch DDP, and gradients are averaged whe
     loss_fn(model(x), y).backward()                     # .grad now holds the average over the ranks
     optimizer.step()
 
-It is apex's 2018 design in public APIs, made to issue the collectives torch's C++ reducer issues, so the two
-compute the same bits. Rank 0's parameters and buffers are broadcast at wrap time; rank 0's buffers again at
-the start of a forward that follows a synchronised forward with grad enabled (torch DDP's moments). Each
-gradient is multiplied by 1/world_size as it is copied into a flat bucket (one dtype per bucket), and a bucket
-is all-reduced as soon as its last gradient is final (``register_post_accumulate_grad_hook``), in bucket
-order, while autograd goes on. A bucket of one contiguous gradient is all-reduced where it lies, in ``.grad``.
-The buckets are torch's: the first backward sends one bucket per dtype in ``parameters()`` order, then rank
-0's arrival order is cut into buckets of ``bucket_cap_mb`` (the first capped at 1 MiB when the cap is torch's
-default), a bucket closing once it reaches the cap. With ``find_unused_parameters`` the first layout is cut
-that way too, in reverse ``parameters()`` order, and kept. At the end of backward (the autograd engine's
-callback queue, the one private call, which torch DDP and FSDP use too) the rest is sent, waited for, and
-the averages are in ``.grad``. ``no_sync()``, ``join()``, frozen, tied and unused parameters behave as torch
-DDP's; where ours differs on purpose: docs/ddp.md. On CUDA the copies and all-reduces run on a side stream of
-the gradients' device that waits for the compute stream, and the compute stream waits for it at the end.
-
-Timing is optional: set ``model.clock`` to an object with ``mark(name)`` and it is stamped at torch's four
-moments (compute_start, comm_start, compute_end, comm_end); ``None`` (the default) stamps nothing.
+apex's 2018 design in public APIs, issuing the collectives torch's C++ reducer issues, on the same bucket
+layouts, so that the two compute the same bits. Each gradient is multiplied by 1/world_size as it is copied
+into its bucket, and a bucket is all-reduced once its last gradient is final
+(``register_post_accumulate_grad_hook``), in bucket order, while autograd goes on; at the end of backward
+(the autograd engine's callback queue, the one private call, which torch DDP and FSDP use too) the rest is
+sent, waited for, and written into ``.grad``. On CUDA the copies and all-reduces run on a side stream of
+the parameters' device. What each knob does: the class's docstring; the design and where it differs from
+torch DDP on purpose: mnist_dist's docs/ddp.md. Timing is optional: ``model.clock``, an object with
+``mark(name)``, is stamped at torch's four moments of a backward (compute_start, comm_start, compute_end,
+comm_end); None (the default) stamps nothing.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ COMPARISONS = [
     ("ddp", "torch_ddp", 1.05, "our DDP vs torch DDP, 2 ranks"),
     ("ddp", "ddp_no_overlap", None, "all-reduce overlapped with backward vs after it"),
     ("ddp_per_param", "ddp_1_bucket", None, "one bucket per parameter vs one bucket"),
-    ("ddp", "ddp_1_bucket", None, "3 buckets (default) vs one bucket"),
+    ("ddp", "ddp_1_bucket", None, "torch's 2 buckets (default) vs one bucket"),
     ("fsdp", "ddp", None, "sharded parameters, gradients and optimizer state vs replicas, 2 ranks"),
     ("single_bf16", "single", 1.5, "bf16 autocast vs fp32"),
     ("single_ckpt100", "single", None, "checkpoint_every_steps=100 vs epoch ends only"),
