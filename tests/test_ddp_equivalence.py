@@ -34,10 +34,22 @@ def theirs(module, **kwargs):
     return TorchDDP(module, **kwargs)
 
 
+LONE = {"bucket_cap_mb": 1e-6}  # about a byte: every gradient a bucket of its own (ours: reduced in its .grad)
+
+
+def ours_lone(module, **kwargs):
+    return ours(module, **{**kwargs, **LONE})
+
+
+def theirs_lone(module, **kwargs):
+    return theirs(module, **{**kwargs, **LONE})
+
+
 def job(rank, world_size):
     # run_ranks joined the default group (which both wrappers use) with gloo's 30-minute timeout.
     dist.distributed_c10d.set_timeout(timedelta(seconds=60))
     wrappers = {"ours": ours, "ours_as_views": ours_as_views, "torch": theirs}
+    wrappers |= {"ours_lone": ours_lone, "torch_lone": theirs_lone}
     return {name: run_all(rank, world_size, wrap) for name, wrap in wrappers.items()}
 
 
@@ -103,12 +115,13 @@ AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks"]  # ran
 AS_TORCH_BY_RANK = ["batchnorm_eval_between_steps", "batchnorm_no_sync_micro_batches"]
 
 
-@pytest.mark.parametrize("wrapper", ["ours", "ours_as_views"])
+@pytest.mark.parametrize("wrapper", ["ours", "ours_as_views", "ours_lone"])
 @pytest.mark.parametrize("name", AS_TORCH_AND_SINGLE + AS_TORCH + AS_TORCH_BY_RANK)
 def test_same_as_torch_ddp(ranks, name, wrapper):
     world_size, results = ranks
+    reference = "torch_lone" if wrapper == "ours_lone" else "torch"  # the same buckets: torch's, at its cap
     for rank in range(world_size):
-        assert_same(results[rank][wrapper][name], results[rank]["torch"][name], f"rank {rank}", bitwise=True)
+        assert_same(results[rank][wrapper][name], results[rank][reference][name], f"rank {rank}", bitwise=True)
     if name in AS_TORCH_AND_SINGLE:
         reference = single(name)
         for rank in range(world_size):
