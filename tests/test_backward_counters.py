@@ -8,7 +8,7 @@ import torch
 from helpers import run_batch
 from torch import nn
 
-from mnist_dist.metrics import ddp_counters_ms
+from mnist_dist.metrics import StepTimer, ddp_counters_ms
 from mnist_dist.model import ConvNet, FastNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.parallel import DistributedDataParallel, timing
@@ -183,3 +183,21 @@ def test_both_ddps_cut_the_same_buckets_and_issue_as_many_all_reduces(ranks, net
     for rank, (buckets, all_reduces) in enumerate(ranks[f"ours {net.__name__} {cap}"]):
         assert buckets == theirs[rank]  # the same bytes per bucket, in launch order
         assert all_reduces == len(theirs[rank])  # one all-reduce per bucket: as many collectives as torch
+
+
+def test_our_ddp_stamps_only_the_steps_the_step_timer_samples(one_rank, monkeypatch):
+    # On CUDA each stamp is an event recorded on the compute stream: a backward nobody reads records none.
+    stamped = []
+    monkeypatch.setattr(timing.StreamClock, "now", lambda self: stamped.append(1) or 0.0)
+    model = wrap_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), DDPMode(), torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = StepTimer(torch.device("cpu"), model, optimizer)
+    counts = []
+    for sample in (False, True, False):
+        timer.start(sample)
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        counts.append(len(stamped))
+        stamped.clear()
+    # The sampled step: the timer's start, data-less phase ends (forward_backward, optimizer) and the wrapper's 4
+    assert counts == [0, 3 + len(MARKS), 0]
