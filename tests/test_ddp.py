@@ -17,7 +17,7 @@ from mnist_dist.parallel.timing import BackwardClock
 
 GLOBAL_BATCH = 16
 LONE = 1e-6  # bucket_cap_mb: about a byte, so every gradient is a bucket of its own
-LATE_S = 0.3  # rank 1 starts one backward this late
+LATE_S = 1.0  # rank 1 starts one backward this late
 
 
 @pytest.fixture(scope="module")
@@ -267,9 +267,11 @@ def comm_wait_timed(rank, world_size):
 
 def test_the_wrapper_times_its_own_wait_and_the_step_timer_reads_it(ranks):
     (waits, phases), _ = ranks("comm wait")
-    assert waits[1] >= LATE_S and waits[2] == waits[1]  # a lower bound: it holds on a loaded machine
+    # Rank 0 waits about LATE_S, less whatever its own backward lagged behind rank 1's: half of it is a bound
+    # that holds on a loaded machine (0.297 s of 0.3 was seen), and the on-time step waited less.
+    assert waits[1] >= LATE_S / 2 and waits[1] > waits[0] and waits[2] == waits[1]
     # per sampled step (2 of them): the wait is comm_wait, not forward_backward
-    assert phases["comm_wait"] >= 1000 * LATE_S / 2
+    assert phases["comm_wait"] >= 1000 * LATE_S / 4
     assert phases["forward_backward"] > 0 and phases["optimizer"] > 0
 
 
