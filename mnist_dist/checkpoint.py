@@ -6,7 +6,7 @@ a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES`
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
 is mnist_dist/compatibility.py's question; what a run puts in it and takes out, mnist_dist/resume.py's.
 
-Every file here is written beside its target and renamed over it: a symlink planted under the final
+Every file here is written by mnist_dist/files.py's one atomic write: a symlink planted under the final
 name is replaced, never written through, and the file gets the user's umask like the rest of the run.
 """
 
@@ -19,12 +19,12 @@ import logging
 import math
 import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mnist_dist import files
 from mnist_dist.errors import ConfigError
 from mnist_dist.step import first_non_finite
 
@@ -47,36 +47,12 @@ _ENTRIES = {
 log = logging.getLogger("mnist_dist")
 
 
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    # Write beside the target, then rename: os.replace is atomic on POSIX, so readers see either
-    # the old file or the new one, never a truncated mix. A write killed by a signal leaves its temp
-    # file: the next save of the same file removes it (run directories are never shared).
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        stale.unlink(missing_ok=True)
-    # Not mkstemp: it creates 0600, and a teammate sharing the experiment directory could not read the
-    # results. O_EXCL refuses anything already under the temp name, a planted symlink included.
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)  # a symlink at ``path`` is replaced; what it pointed to is left alone
-    except OSError as error:  # a write to a descriptor names no file: name the one that failed
-        Path(tmp).unlink(missing_ok=True)
-        raise OSError(error.errno, error.strerror, str(path)) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(obj: Any, path: Path) -> None:
     """torch.save, atomically. Serialised in memory first: a full disk then fails in a plain write,
     as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    _atomic_write(path, buffer.getbuffer())
+    files.write(path, buffer.getbuffer())
 
 
 def save_kept(state: dict, path: Path, keep: int) -> None:
@@ -97,11 +73,11 @@ def save_kept(state: dict, path: Path, keep: int) -> None:
 
 def save_json(obj: dict, path: Path) -> None:
     """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
-    _atomic_write(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n").encode())
+    files.write_text(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n"))
 
 
 def save_text(text: str, path: Path) -> None:
-    _atomic_write(path, text.encode())
+    files.write_text(path, text)
 
 
 def _finite_or_none(value: Any) -> Any:
