@@ -18,12 +18,13 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 _NOT_REGULAR = "not a regular file (a FIFO? a device?), which mnist_dist neither reads nor writes; remove it"
+_NOT_OURS = "not a directory of this run (a symbolic link?), which mnist_dist does not write into; remove it"
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -92,6 +93,16 @@ def _fsync_dir(directory: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def own_directory(path: Path) -> Path:
+    """``path`` as a directory of the run's own: created, or an existing real one; a link planted there (to
+    another run's directory, say) is refused, never written into (OSError naming it)."""
+    with suppress(FileExistsError):
+        os.mkdir(path)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(errno.ENOTDIR, _NOT_OURS, str(path))
+    return path
 
 
 def open_regular(path: Path | str, flags: int = os.O_RDONLY, mode: int = 0o666) -> int:

@@ -114,6 +114,7 @@ def _resume(cfg: Config, run_dir: Path, ranks: int) -> Path:
         found = checkpoint.newest_readable(run_dir)  # past an unreadable checkpoint.pt, saying so
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
+        rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced
         return run_dir
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
