@@ -258,7 +258,7 @@ def fp32_precision(tf32: bool) -> None:
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
     heartbeat("start-up", 0)
-    spawned = job_store(timeout)  # mnist_dist.parallel.spawn's job: a prefix no other local user knows
+    spawned = job_store(timeout)  # mnist_dist.parallel.spawn's job: a store no other local user can open
     if spawned is not None:
         return spawned
     if launcher() == "srun":
