@@ -539,8 +539,8 @@ def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
     [
         ("optim.lr=nan", "optim.lr=nan must be a finite positive number"),
         ("optim.lr=inf", "optim.lr=inf must be a finite positive number"),
-        ("dist.timeout_s=0", "dist.timeout_s=0 must be at least 1 (seconds)"),
-        ("dist.timeout_s=-5", "dist.timeout_s=-5 must be at least 1 (seconds)"),
+        ("dist.timeout_s=0", "dist.timeout_s=0 must be from 1 to 604800 (seconds: a week)"),
+        ("dist.timeout_s=-5", "dist.timeout_s=-5 must be from 1 to 604800 (seconds: a week)"),
     ],
 )
 def test_non_finite_rates_and_timeouts_are_refused(make_config, override, message):

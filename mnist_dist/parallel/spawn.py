@@ -51,9 +51,8 @@ def spawn(
     WORLD_SIZE in its environment, and the path of the job's own store: ``init_process_group(backend)`` of
     this module needs no other argument and meets in a FileStore in a new directory that only this user
     can open (mode 0700), so that no other local user can list, read or plant a key of the job. Plain
-    ``dist.init_process_group(backend)`` works too, without that protection, through a TCPStore that this
-    process serves on 127.0.0.1 only (any local user can connect to it). gloo and NCCL are told to use the
-    loopback interface: nothing of the job listens on an address another machine can reach. ``fn``
+    ``dist.init_process_group(backend)`` works too, unprotected, through a TCPStore served on 127.0.0.1 only.
+    gloo and NCCL use the loopback interface: nothing listens on an address another machine can reach. ``fn``
     and ``args`` must be picklable (``fn`` defined at module level; in a script, call ``spawn`` under
     ``if __name__ == "__main__":``); what ``fn`` returns is ignored.
 
