@@ -31,11 +31,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from mnist_dist import checkpoint, preemption, rundir
-from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
+from mnist_dist.config import Config, ConfigError, describe_hydra_error, refuse_unknown_keys, validate
+from mnist_dist.environment import launched_rank, launcher
 from mnist_dist.errors import DataError, describe_os_error, interrupted, last_resort, raise_on_interrupt, rank_log
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.topology import launched_rank, launcher
 
 
 def main() -> None:
@@ -54,6 +54,7 @@ def _run(cfg: DictConfig) -> None:
         raise_on_interrupt()  # Hydra is done composing: from now on `finally` clauses stop the workers
         logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
         logging.getLogger("mnist_dist").setLevel(logging.INFO)
+        refuse_unknown_keys(cfg)  # before to_object, which drops them
         config: Config = OmegaConf.to_object(cfg)
         validate(config)
         written = _directories_written(config, run_dir)
@@ -139,7 +140,10 @@ def _torchrun_rank_overrides() -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.argv += _torchrun_rank_overrides()
+    try:
+        sys.argv += _torchrun_rank_overrides()
+    except ConfigError as error:  # RANK=abc, RANK=5 with WORLD_SIZE=2: before Hydra, one line
+        sys.exit(f"error: {error}")
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

@@ -6,25 +6,29 @@ a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES`
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
 is mnist_dist/compatibility.py's question; what a run puts in it and takes out, mnist_dist/resume.py's.
 
-Every file here is written beside its target and renamed over it: a symlink planted under the final
+Every file here is written by mnist_dist/files.py's one atomic write: a symlink planted under the final
 name is replaced, never written through, and the file gets the user's umask like the rest of the run.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import io
 import json
 import logging
 import math
 import os
+import pickle
 import re
-import secrets
+import stat
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from mnist_dist import files
 from mnist_dist.errors import ConfigError
 from mnist_dist.step import first_non_finite
 
@@ -44,31 +48,11 @@ _ENTRIES = {
     "config": str,
 }
 
+_LEAST = {"epoch": 0, "epoch_step": 0, "step": 0, "world_size": 1}  # what a position can be at least
+_usable: dict[tuple, bool] = {}  # by file identity (``_identity``): whether ``usable``
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}
+
 log = logging.getLogger("mnist_dist")
-
-
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    # Write beside the target, then rename: os.replace is atomic on POSIX, so readers see either
-    # the old file or the new one, never a truncated mix. A write killed by a signal leaves its temp
-    # file: the next save of the same file removes it (run directories are never shared).
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        stale.unlink(missing_ok=True)
-    # Not mkstemp: it creates 0600, and a teammate sharing the experiment directory could not read the
-    # results. O_EXCL refuses anything already under the temp name, a planted symlink included.
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)  # a symlink at ``path`` is replaced; what it pointed to is left alone
-    except OSError as error:  # a write to a descriptor names no file: name the one that failed
-        Path(tmp).unlink(missing_ok=True)
-        raise OSError(error.errno, error.strerror, str(path)) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save(obj: Any, path: Path) -> None:
@@ -76,32 +60,95 @@ def save(obj: Any, path: Path) -> None:
     as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    _atomic_write(path, buffer.getbuffer())
+    files.write(path, buffer.getbuffer())
 
 
 def save_kept(state: dict, path: Path, keep: int) -> None:
     """``save`` that keeps the ``keep - 1`` previous checkpoints as ``<name>.1.pt`` (newest), ``<name>.2.pt``...
 
-    ``path`` is never missing nor partial: the previous file gets its new name as a hard link before the
-    new one atomically replaces it. The older ones are for when the newest is unusable (a diverged
-    step saved, a disk fault)."""
+    ``path`` is never missing nor partial: the previous file gets its new name as a hard link (a copy where
+    the file system has none) before the new one atomically replaces it. The older ones are for when the
+    newest is unusable. Only a checkpoint that could be resumed from (``usable``) takes a kept place: one
+    that ``resume=auto`` skipped is dropped, never the one the run went on from."""
     older = [path.with_suffix(f".{n}.pt") for n in range(1, keep)]
-    if older and path.exists():
-        for newer, elder in reversed(list(zip(older, older[1:]))):
-            if newer.exists():
-                os.replace(newer, elder)
-        older[0].unlink(missing_ok=True)
-        os.link(path, older[0])
+    chain = [path, *older]
+    kept = [p for p in chain if usable(p)][: keep - 1]
+    for stale in older:
+        if stale not in kept:
+            stale.unlink(missing_ok=True)
+    moves = list(zip(kept, older))  # each kept checkpoint to its new place, newest first
+    # Before the first gap every kept one moves one place up (done oldest first); after it they move
+    # down into the gaps (done newest first), so that no move lands on a checkpoint still to be moved.
+    gap = next((i for i, (source, _) in enumerate(moves) if source != chain[i]), len(moves))
+    for source, dest in moves[gap:]:
+        if source != dest:
+            os.replace(source, dest)  # renames within the run directory: the older checkpoints
+    for source, dest in reversed(moves[:gap]):
+        if source == path:
+            _link_or_copy(path, dest)
+        else:
+            os.replace(source, dest)
     save(state, path)
+    _usable[_identity(path)] = True  # what this process wrote is not read back at the next rotation
+
+
+def _link_or_copy(path: Path, dest: Path) -> None:
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(path, dest)
+    except OSError as error:  # EPERM, ENOTSUP, EXDEV...: a file system without hard links (FAT, some FUSE)
+        if error.errno not in _NO_HARD_LINKS:
+            raise
+        files.write(dest, path.read_bytes())
+
+
+def _regular(path: Path) -> bool:
+    """A file the run wrote there: a planted link is never rotated into a kept place."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def usable(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``). A
+    file is read once per process: renames keep its identity (device, inode, size, time), and the files this
+    process saved or read are known."""
+    if not _regular(path):  # a planted link is never rotated into a kept place
+        return False
+    key = _identity(path)
+    if key not in _usable:
+        try:
+            _read(path)
+        except _Unusable:
+            _usable[key] = False
+    return _usable[key]
+
+
+def _identity(path: Path) -> tuple:
+    status = path.stat()
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _damaged_entry(f: BinaryIO) -> str | None:
+    """The first entry of the checkpoint open as ``f`` whose CRC-32 is wrong, else None; _Unusable if it is
+    no zip archive (truncated, or not written by torch.save)."""
+    try:
+        with zipfile.ZipFile(f) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:
+        raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
+    finally:
+        f.seek(0)
 
 
 def save_json(obj: dict, path: Path) -> None:
     """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
-    _atomic_write(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n").encode())
+    files.write_text(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n"))
 
 
 def save_text(text: str, path: Path) -> None:
-    _atomic_write(path, text.encode())
+    files.write_text(path, text)
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -148,7 +195,18 @@ def load(path: Path) -> dict:
 
 def _read(path: Path) -> dict:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with os.fdopen(files.open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
+            damaged = _damaged_entry(f)
+            if damaged:
+                raise _Unusable(f"its bytes are not the ones written (checksum of {damaged} wrong): damaged on disk")
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
+        raise _Unusable(
+            "it holds Python objects other than tensors and plain values, which mnist_dist never loads "
+            "(not a mnist_dist checkpoint, or a crafted one)"
+        ) from None
+    except _Unusable:
+        raise
     except Exception as error:  # truncated, not a checkpoint, crafted, unreadable: the same to the user
         detail = str(error).splitlines()[0] if str(error) else "no detail"
         raise _Unusable(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
@@ -166,9 +224,16 @@ def _read(path: Path) -> dict:
             f"the checkpoint lacks or has a wrong {', '.join(wrong)} (damaged, or not written by mnist_dist); "
             "resume from another checkpoint.pt"
         )
+    out_of_range = [f"{key}={state[key]}" for key, least in _LEAST.items() if state[key] < least]
+    if out_of_range or state["epoch_step"] > state["step"]:
+        raise _Unusable(
+            f"its position is impossible ({', '.join(out_of_range) or 'epoch_step > step'}; damaged, or not "
+            "written by mnist_dist); resume from another checkpoint.pt"
+        )
     poisoned = first_non_finite(state["model"])  # saved by a version that did not check before saving
     if poisoned:
         raise _Unusable(f"the checkpoint's weights are not finite ({poisoned}): it was saved after training diverged")
+    _usable[_identity(path)] = True
     return state
 
 
@@ -182,7 +247,7 @@ def kept_older(path: Path) -> list[Path]:
     found = []
     for sibling in path.parent.glob(f"{glob.escape(base)}.*.pt"):
         older = re.fullmatch(rf"{re.escape(base)}\.(\d+)\.pt", sibling.name)
-        if older and int(older.group(1)) > number and sibling.is_file():
+        if older and int(older.group(1)) > number and _regular(sibling):
             found.append((int(older.group(1)), sibling))
     return [sibling for _, sibling in sorted(found)]
 
@@ -193,8 +258,10 @@ def newest_readable(run_dir: Path) -> Path | None:
     restart or a SLURM requeue runs the same command again: refusing would fail every attempt alike."""
     newest = run_dir / "checkpoint.pt"
     skipped = []
-    for path in ([newest] if newest.is_file() else []) + kept_older(newest):
+    for path in ([newest] if newest.exists() or newest.is_symlink() else []) + kept_older(newest):
         try:
+            if not _regular(path):  # resumed, it would have the run go on in the link's directory, unlocked
+                raise _Unusable("not a file of this run directory (a symbolic link?): resume=auto does not follow it")
             state = _read(path)
         except _Unusable as why:
             skipped.append(f"{path.name} ({why})")

@@ -8,6 +8,7 @@ defaults live in one place: the top-level settings here, each mode's knobs in it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from mnist_dist.errors import ConfigError
@@ -33,6 +34,7 @@ __all__ = [
     "Device",
     "check_batch_divides",
     "describe_hydra_error",
+    "refuse_unknown_keys",
     "validate",
     "world_size",
 ]
@@ -121,6 +123,8 @@ class Config:
 
 
 _MAX_SEED = 2**32 - 1  # what numpy and most tools accept too
+_MOST_KEPT = 100  # keep_checkpoints: 10**9 planned that many names at the first save (MemoryError)
+_LONGEST_TIMEOUT_S = 7 * 24 * 3600
 
 
 def validate(cfg: Config) -> None:
@@ -140,13 +144,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval_every_steps={cfg.eval_every_steps} must be 0 (epoch ends only) or more")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"optim.lr={float(lr)} must be a finite positive number")
+        shown = float(lr) if isinstance(lr, (int, float)) else lr  # optim.lr=abc: said as it is
+        raise ConfigError(f"optim.lr={shown} must be a finite positive number")
+    if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
+        raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
+    if cfg.keep_checkpoints > _MOST_KEPT:
+        raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints}: at most {_MOST_KEPT} (each is a full checkpoint)")
+    if not 0 <= cfg.dist.port <= 65535:
+        raise ConfigError(f"dist.port={cfg.dist.port} must be a TCP port, 1 to 65535, or 0 to pick a free one")
     if cfg.checkpoint_every_steps < 0:
         raise ConfigError(f"checkpoint_every_steps={cfg.checkpoint_every_steps} must be 0 (epoch ends only) or more")
-    if cfg.dist.timeout_s <= 0:
-        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be at least 1 (seconds)")
+    if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
+        raise ConfigError(
+            f"dist.timeout_s={cfg.dist.timeout_s} must be from 1 to {_LONGEST_TIMEOUT_S} (seconds: a week)"
+        )
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
-    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+    if bucket_cap_mb is not None and not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")
     if cfg.compile and cfg.mode.name == "ddp" and cfg.mode.overlap:
         # Its buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
@@ -159,6 +172,25 @@ def validate(cfg: Config) -> None:
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
     check_batch_divides(cfg.batch_size, world_size(cfg), cfg.accumulate)
+
+
+def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
+    """A key that ``+key=...`` added where the schema has none: OmegaConf.to_object would drop it silently
+    (``+num_workers=2`` trained as if never said). model, optim and scheduler take any key (their
+    constructors' arguments); the other groups are dataclasses."""
+    schema = schema or OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key in cfg:
+        if key not in fields:
+            raise ConfigError(
+                f"+{prefix}{key}: {schema.__name__} has no setting {key!r}, so it would be ignored; valid keys: "
+                f"{', '.join(fields)}"
+            )
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig):
+            refuse_unknown_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
 
 
 def check_batch_divides(batch_size: int, ranks: int, accumulate: int) -> None:

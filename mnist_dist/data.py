@@ -18,6 +18,7 @@ from filelock import FileLock
 
 from mnist_dist.errors import DataError
 from mnist_dist.fetch import fetch_file, fetched_here
+from mnist_dist.files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
 def _read_idx(path: Path, header_len: int) -> torch.Tensor:
     """The uint8 items after the header (torchvision's reader does the same, but importing it costs a
     worker seconds: see dataset_class)."""
-    return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
+    with os.fdopen(open_regular(path), "rb") as f:
+        return torch.frombuffer(bytearray(f.read()[header_len:]), dtype=torch.uint8)
 
 
 def to_device_tensors(
@@ -199,19 +201,20 @@ def _check_idx(path: Path, images: bool) -> int:
     Done once in the parent so that workers can trust the files; torchvision's reader only asserts.
     """
     header_len, magic_want, dims_want, item = (16, 0x803, [28, 28], 784) if images else (8, 0x801, [], 1)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
         header = f.read(header_len)
-        labels = b"" if images else f.read()
-    if len(header) < header_len:
-        raise DataError(f"{len(header)} bytes, too short for an IDX header")
-    magic, n, *dims = struct.unpack(f">{header_len // 4}I", header)
-    if magic != magic_want:
-        raise DataError(f"magic {magic:#010x}, expected {magic_want:#010x}")
-    if dims != dims_want:
-        raise DataError(f"images are {dims[0]}x{dims[1]}, expected 28x28")
-    size, size_want = path.stat().st_size, header_len + n * item
-    if size != size_want:
-        raise DataError(f"{size} bytes, expected {size_want} for {n} items (truncated?)")
+        if len(header) < header_len:
+            raise DataError(f"{len(header)} bytes, too short for an IDX header")
+        magic, n, *dims = struct.unpack(f">{header_len // 4}I", header)
+        if magic != magic_want:
+            raise DataError(f"magic {magic:#010x}, expected {magic_want:#010x}")
+        if dims != dims_want:
+            raise DataError(f"images are {dims[0]}x{dims[1]}, expected 28x28")
+        # The size before any item is read: a sparse file of 40 GB must not be read into memory.
+        size, size_want = os.fstat(f.fileno()).st_size, header_len + n * item
+        if size != size_want:
+            raise DataError(f"{size} bytes, expected {size_want} for {n} items (truncated?)")
+        labels = b"" if images else f.read(n)
     if labels and max(labels) > 9:
         raise DataError(f"label {max(labels)} out of range 0..9")
     return n

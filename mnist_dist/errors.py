@@ -9,9 +9,12 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import NoReturn
+
+from mnist_dist.files import open_regular
 
 
 class ConfigError(ValueError):
@@ -66,7 +69,7 @@ def append_no_follow(path: Path | str, encoding: str | None = None, errors: str 
     """``open(path, "a")``, except that a symbolic link there is refused (OSError naming it) instead of
     followed: a link planted in a run directory would have the log appended to any file its owner can write."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW)  # nor a FIFO
     except OSError as error:
         if error.errno == errno.ELOOP:
             message = "it is a symbolic link, which mnist_dist does not write through; remove it"
@@ -76,10 +79,30 @@ def append_no_follow(path: Path | str, encoding: str | None = None, errors: str 
 
 
 class NoFollowFileHandler(logging.FileHandler):
-    """A FileHandler that refuses a symbolic link at its path (``append_no_follow``)."""
+    """A FileHandler that refuses a symbolic link (``append_no_follow``) or a FIFO at its path, and fails
+    the run when it cannot write (a full disk) instead of printing "--- Logging error ---" and a traceback
+    on stderr for every record: the OSError names the log."""
 
     def _open(self):
         return append_no_follow(self.baseFilename, self.encoding, self.errors)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)
+        self.close()  # the next record opens it again (or fails the same way)
+        raise OSError(error.errno, error.strerror, self.baseFilename) from None
+
+
+def log_thread_errors(log: logging.Logger) -> None:
+    """A library thread that dies (TensorBoard's writer on a full disk) has its traceback logged to the
+    rank's log file rather than printed on the console; the library says the error again to its caller."""
+
+    def excepthook(hook: threading.ExceptHookArgs) -> None:
+        error = hook.exc_value or hook.exc_type()
+        log.error("thread %s failed", getattr(hook.thread, "name", "?"), exc_info=error, extra=FILE_ONLY)
+
+    threading.excepthook = excepthook
 
 
 def console_handler() -> logging.Handler:

@@ -16,14 +16,17 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from mnist_dist import files
 from mnist_dist.errors import DataError
 
 log = logging.getLogger(__name__)
 
 _FETCHED = ".fetched.json"  # beside raw/: the files prepare wrote (by inode); only those it may replace
+_RECORD_LIMIT = 1 << 16  # bytes of the record read at most: four names and inodes need a hundred
 _TIMEOUT_S = 60  # per network read
 # A whole download: a mirror that trickles is given up for the next one. MNIST's largest .gz is 9.9 MB,
 # so this asks for 17 kB/s on average.
@@ -40,12 +43,13 @@ def fetch_file(source: str, gz_name: str, md5: str | None, dest: Path, limit: in
     md5 is only given for official mirrors: other copies (Debian's) are recompressed, so for them
     the validated content is what counts.
     """
-    with _local_path(source, gz_name, md5, dest.parent, limit) as src, _atomic(dest) as tmp:
+    with _local_path(source, gz_name, md5, dest.parent, limit) as src, files.atomic(dest) as out:
         opener = gzip.open if src.suffix == ".gz" else open
-        with opener(src, "rb") as fin, _open_new(tmp) as fout:
+        with opener(src, "rb") as fin:
             for chunk in _at_most(lambda: fin.read(1 << 20), limit):
-                fout.write(chunk)
-        yield tmp
+                out.file.write(chunk)
+        out.file.flush()
+        yield out.path
     _record_fetched(dest)
 
 
@@ -68,21 +72,11 @@ def _at_most(read: Callable[[], bytes], limit: int) -> Iterator[bytes]:
         yield chunk
 
 
-def _open_new(path: Path):
-    """``path`` created for writing, with the user's umask, after removing what a killed prepare left there.
-
-    The root may be shared: O_EXCL refuses to follow a link that another user plants at the name (or an
-    existing file), so nothing outside the folder is ever written through it."""
-    path.unlink(missing_ok=True)  # a link itself, never its target
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o666), "wb")
-
-
 def _fetched_record(root: Path) -> dict:
     """What prepare wrote under ``root`` (a link planted in place of the record counts as no record)."""
     try:
-        with os.fdopen(os.open(root / _FETCHED, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-            fetched = json.loads(f.read())
+        with os.fdopen(files.open_regular(root / _FETCHED, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            fetched = json.loads(f.read(_RECORD_LIMIT))
     except (OSError, ValueError):
         return {}
     return fetched if isinstance(fetched, dict) else {}
@@ -90,23 +84,23 @@ def _fetched_record(root: Path) -> dict:
 
 def _record_fetched(dest: Path) -> None:
     fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
-    with _atomic(dest.parent.parent / _FETCHED) as tmp, _open_new(tmp) as out:
-        out.write(json.dumps(fetched).encode())
+    files.write_text(dest.parent.parent / _FETCHED, json.dumps(fetched))
 
 
 @contextmanager
 def _local_path(source: str, gz_name: str, md5: str | None, raw: Path, limit: int) -> Iterator[Path]:
     """Yield a local path to gz_name (or, from a local dir, its decompressed twin) at `source`."""
     if source.startswith(("http://", "https://")):
-        tmp = raw / f".download-{gz_name}"
+        download = files.create_new(raw, f"download-{gz_name}", ".gz")  # a scratch file, never renamed into place
         try:
             # A .gz is never much larger than the ``limit`` bytes it decompresses to.
-            _download(f"{source.rstrip('/')}/{gz_name}", tmp, limit + (1 << 20))
-            if md5 and hashlib.md5(tmp.read_bytes()).hexdigest() != md5:
+            with download.file as out:
+                _download(f"{source.rstrip('/')}/{gz_name}", out, limit + (1 << 20))
+            if md5 and hashlib.md5(download.path.read_bytes()).hexdigest() != md5:
                 raise DataError(f"md5 mismatch, expected {md5}: corrupt download")
-            yield tmp
+            yield download.path
         finally:
-            tmp.unlink(missing_ok=True)
+            download.path.unlink(missing_ok=True)
         return
     local = url2pathname(urlparse(source).path) if source.startswith("file://") else source
     folder = Path(local).expanduser()
@@ -126,11 +120,11 @@ class _NoDowngrade(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _download(url: str, path: Path, limit: int) -> None:
-    """``url`` into ``path``, refusing more than ``limit`` bytes (announced or received) and more than
+def _download(url: str, out: BinaryIO, limit: int) -> None:
+    """``url`` into ``out``, refusing more than ``limit`` bytes (announced or received) and more than
     ``_DEADLINE_S`` seconds; a progress line every ``_PROGRESS_S`` seconds."""
     opener = urllib.request.build_opener(_NoDowngrade)
-    with opener.open(url, timeout=_TIMEOUT_S) as response, _open_new(path) as out:
+    with opener.open(url, timeout=_TIMEOUT_S) as response:
         announced = int(response.headers.get("Content-Length") or 0)
         if announced > limit:
             raise DataError(f"{announced} bytes announced, more than {limit}, the largest valid size")
@@ -148,15 +142,3 @@ def _download(url: str, path: Path, limit: int) -> None:
                 rate = received / (now - started) / 1000
                 log.info("%s: %d%s bytes from %s (%.1f kB/s)", url.rsplit("/", 1)[-1], received, of, url, rate)
                 shown = now
-
-
-@contextmanager
-def _atomic(dest: Path) -> Iterator[Path]:
-    """Yield a temp path beside `dest`, moved over `dest` in one step only if the body succeeds, so a
-    crash or a rejected file never leaves anything under the final name."""
-    tmp = dest.with_name(f".{dest.name}.part")
-    try:
-        yield tmp
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)

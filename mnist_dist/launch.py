@@ -4,7 +4,7 @@ Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table
 
 - one-process modes: the worker runs in this process;
 - one process per device (ddp modes): spawned processes, rendezvous on 127.0.0.1 at a free port;
-- under torchrun or srun (mnist_dist.topology.launcher): this process *is* a worker; local rank 0 prepares
+- under torchrun or srun (mnist_dist.environment.launcher): this process *is* a worker; local rank 0 prepares
   the data while the others wait at a barrier. This is how the app runs across nodes.
 
 A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
@@ -25,10 +25,11 @@ from mnist_dist import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.config import Config, ConfigError, data_root, validate
 from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
+from mnist_dist.environment import launcher
 from mnist_dist.modes import MODES, Processes, world_size
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
-from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
+from mnist_dist.topology import Topology, from_env, resolve, setup_process
 from mnist_dist.train import train
 
 __all__ = ["launch", "WorkerFailed"]
@@ -115,6 +116,7 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0
         found = checkpoint.newest_readable(run_dir)  # past an unreadable checkpoint.pt, saying so
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
+        rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced
         return cfg, run_dir
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)

@@ -95,6 +95,27 @@ def owned(run_dir: Path) -> Iterator[None]:
         lock.release()
 
 
+def refuse_another_run(run_dir: Path) -> None:
+    """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
+    checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
+    held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if _a_file(run_dir / name)]
+    if "checkpoint.pt" in held and "results.json" not in held:
+        raise ConfigError(
+            f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "
+            "to go on from it, or another hydra.run.dir"
+        )
+    if held:
+        raise ConfigError(
+            f"{run_dir} holds a finished run ({', '.join(held)}), which a fresh run would replace; pass another "
+            "hydra.run.dir"
+        )
+
+
+def _a_file(path: Path) -> bool:
+    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
+    return path.is_file() and not path.is_symlink()
+
+
 def on_this_node(run_dir: Path) -> Path:
     """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls).
 

@@ -21,6 +21,9 @@ The x axis is the optimizer step, which means the same global batch in every mod
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
@@ -29,6 +32,8 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
+
+from mnist_dist import files
 
 # CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
 # global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
@@ -115,24 +120,42 @@ class Scalars:
     def writer(self) -> SummaryWriter | None:
         if self.rank != 0 or self._writer is not None:
             return self._writer
-        old = sorted(self.directory.glob("events.out.tfevents.*")) if self.resumed_at else []
-        kept = _events_up_to(old, *self.resumed_at) if old else []
-        self._writer = SummaryWriter(str(self.directory))
-        if not kept:
-            self._writer.file_writer.add_summary(custom_scalars_summary())
-        for event in kept:  # the layout among them
-            self._writer.file_writer.add_event(event, walltime=event.wall_time)
-        self._writer.flush()
+        files.own_directory(self.directory)  # a planted tb link is refused: its target is never written nor purged
+        # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
+        old = sorted(self.directory.glob("events.out.tfevents.*"))
+        kept = (
+            _events_up_to([p for p in old if p.is_file() and not p.is_symlink()], *self.resumed_at)
+            if self.resumed_at
+            else []
+        )
+        with self._naming_the_directory():
+            self._writer = SummaryWriter(str(self.directory))
+            _refuse_a_link(Path(self._writer.file_writer.event_writer._file_name))  # torch exposes no other way
+            if not kept:
+                self._writer.file_writer.add_summary(custom_scalars_summary())
+            for event in kept:  # the layout among them
+                self._writer.file_writer.add_event(event, walltime=event.wall_time)
+            self._writer.flush()
         for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
-            path.unlink()
+            path.unlink()  # a link itself, never its target
         return self._writer
+
+    @contextmanager
+    def _naming_the_directory(self) -> Iterator[None]:
+        """TensorBoard writes in a thread, and its error (a full disk) comes back at a later call naming no
+        file: said as an OSError naming the directory (the thread's traceback goes to the rank log)."""
+        try:
+            yield
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(self.directory)) from None
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
         if self.writer is None:
             return
-        for tag, value in tags.items():
-            self.writer.add_scalar(tag, value, step)
+        with self._naming_the_directory():
+            for tag, value in tags.items():
+                self.writer.add_scalar(tag, value, step)
 
     def hparams(self, params: dict, metric_tags: list[str]) -> None:
         """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag.
@@ -142,12 +165,21 @@ class Scalars:
         """
         if self.writer is None:
             return
-        for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
-            self.writer.file_writer.add_summary(summary)
+        with self._naming_the_directory():
+            for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
+                self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            writer, self._writer = self._writer, None
+            with self._naming_the_directory():
+                writer.close()
+
+
+def _refuse_a_link(path: Path) -> None:
+    """After TensorBoard opened its event file: if a link sat at that name, it wrote through it; stop there."""
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, "a symbolic link was planted at the event file's name; remove it", str(path))
 
 
 TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds

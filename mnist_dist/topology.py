@@ -9,11 +9,7 @@ its process group. In the spirit of torchtitan's ``ParallelDims``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
-import shutil
-import subprocess
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +19,7 @@ import torch.distributed as dist
 
 import mnist_dist
 from mnist_dist.config import Config, check_batch_divides
+from mnist_dist.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_job, slurm_port
 from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
 from mnist_dist.parallel.spawn import heartbeat, job_store
@@ -65,58 +62,10 @@ class Topology:
 
 def resolve(cfg: Config) -> Topology:
     """The job's topology from its config, in the parent; a ConfigError says what to change."""
-    _refuse_batch_step()
+    refuse_batch_step()
     visible = torch.cuda.device_count()
     kind = device_type(cfg.device, devices_needed(cfg), f"gpus={cfg.gpus}", f"use gpus={visible} or device=cpu")
     return _topology(cfg, kind, world_size(cfg), local_world_size=world_size(cfg))
-
-
-# SLURM_STEP_ID: only srun's tasks have it; sbatch exports the others to the batch script itself.
-_SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST", "SLURM_STEP_ID")
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# Derived ports lie below Linux's ephemeral range (32768-60999): no outgoing connection holds one.
-_SLURM_PORTS = range(15000, 32768)
-
-
-def launcher() -> str:
-    """Who started this process as one of a job's workers: "torchrun", "srun", or "" (we start them).
-
-    srun counts only with more than one task: a one-task job runs as usual, and the batch step of an
-    sbatch script is refused by ``resolve`` (it is not one of the tasks).
-    """
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
-        return "torchrun"
-    if all(key in os.environ for key in _SLURM) and int(os.environ["SLURM_NTASKS"]) > 1:
-        return "srun"
-    return ""
-
-
-def _refuse_batch_step() -> None:
-    # Taken for a task, the batch step waited dist.timeout_s for peers that no srun started.
-    tasks = os.environ.get("SLURM_NTASKS", "1")
-    if "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" not in os.environ and tasks.isdigit() and int(tasks) > 1:
-        raise ConfigError(
-            f"SLURM_NTASKS={tasks}, but this process is SLURM's batch step, not one of the tasks: start the tasks "
-            "with srun (srun python -m mnist_dist ...), or ask for --ntasks=1 to have mnist_dist start its workers "
-            "itself"
-        )
-
-
-def _slurm_job() -> str:
-    """This task's job step, the same in all its tasks and in no other step: "<job id>.<step id>"."""
-    return f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ['SLURM_STEP_ID']}"
-
-
-def _slurm_port() -> int:
-    # Hashed, so that jobs do not collide by construction (15000 + job % 20000 gave jobs 1234 and 21234 one
-    # port); a collision that remains fails at once (_slurm_store) instead of joining another job.
-    digest = hashlib.sha256(_slurm_job().encode()).digest()
-    return _SLURM_PORTS[int.from_bytes(digest[:4], "big") % len(_SLURM_PORTS)]
-
-
-def launched_rank() -> int:
-    """This worker's rank as torchrun or srun set it; 0 where this process starts the workers itself."""
-    return int(os.environ.get({"torchrun": "RANK", "srun": "SLURM_PROCID"}.get(launcher(), ""), 0))
 
 
 def from_env(cfg: Config) -> Topology:
@@ -124,22 +73,17 @@ def from_env(cfg: Config) -> Topology:
     (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE; SLURM_NODELIST's first node is
     the master): the same worker either way."""
     env, by = os.environ, launcher()
+    rank, size, local_rank, local_size = launched_ranks()
     if by == "srun":
-        rank, size, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
-        per_node = env.get("SLURM_NTASKS_PER_NODE", str(size // int(env.get("SLURM_NNODES", "1"))))
-        local_size = int(per_node.split("(")[0])  # "2(x3)": 2 tasks on each of 3 nodes
         # Where rank 0 serves the job's store; every task derives the same port from the job step.
         env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(cfg.dist.port or _slurm_port()))
-    else:
-        missing = [key for key in _TORCHRUN if key not in env]
-        if missing:
-            raise ConfigError(
-                f"LOCAL_RANK and WORLD_SIZE are set, but not {', '.join(missing)}: left over from another job? "
-                "unset them to have mnist_dist start its workers, or start it with torchrun"
-            )
-        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+        env.setdefault("MASTER_PORT", str(cfg.dist.port or slurm_port()))
+    if cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
+        raise ConfigError(
+            f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
+            f"gpus={size})"
+        )
+    cfg.gpus = size  # what ran, as config.yaml records it
     if MODES[cfg.mode.name].processes is not Processes.PER_DEVICE:
         raise ConfigError(
             f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
@@ -151,17 +95,6 @@ def from_env(cfg: Config) -> Topology:
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
     topology = _topology(cfg, kind, size, local_size)
     return dataclasses.replace(topology, rank=rank, local_rank=local_rank, own_gpu=own_gpu)
-
-
-def first_node(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``scontrol show hostnames`` where SLURM is installed, else the
-    simple forms (``a,b``, ``node[03-05,9]``) read here."""
-    if shutil.which("scontrol"):
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-        if hosts.returncode == 0 and hosts.stdout.split():
-            return hosts.stdout.split()[0]
-    name, bracket = re.match(r"([^,\[]*)(?:\[([^,\-\]]+))?", nodelist).groups()
-    return name + (bracket or "")
 
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
@@ -258,7 +191,7 @@ def fp32_precision(tf32: bool) -> None:
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
     heartbeat("start-up", 0)
-    spawned = job_store(timeout)  # mnist_dist.parallel.spawn's job: a prefix no other local user knows
+    spawned = job_store(timeout)  # mnist_dist.parallel.spawn's job: a store no other local user can open
     if spawned is not None:
         return spawned
     if launcher() == "srun":
@@ -276,7 +209,7 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
 def _slurm_store(timeout: timedelta) -> dist.Store:
     """Rank 0 serves the store and writes whose it is; a task that finds another job step's there (two steps
     derived one port) fails at once, and the step's keys are under its own prefix, so none is shared."""
-    env, job = os.environ, _slurm_job()
+    env, job = os.environ, slurm_job()
     host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["SLURM_PROCID"])
     try:
         store = dist.TCPStore(host, port, is_master=rank == 0, timeout=timeout, wait_for_workers=False)

@@ -26,7 +26,7 @@ from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
 from mnist_dist.console import Progress
 from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler
+from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler, log_thread_errors
 from mnist_dist.metrics import (
     StepTimer,
     Stopwatch,
@@ -335,3 +335,4 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
+    log_thread_errors(log)

@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -59,3 +60,23 @@ def one_rank(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch):
+    """``python -m mnist_dist <argv>``'s main() in this process (no torch import to pay): returns what it
+    exits with. Its signal handlers are the command's: put back afterwards."""
+    from mnist_dist import __main__ as command
+    from mnist_dist.errors import STOP_SIGNALS
+
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def run(*argv: str):
+        monkeypatch.setattr(sys, "argv", ["mnist_dist", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            command.main()
+        return exit_.value.code
+
+    yield run
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)

@@ -49,7 +49,7 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    # spawn set the address, rank, world size and the job's store prefix; a collective that a bug leaves
+    # spawn set the address, rank, world size and the job's private store; a collective that a bug leaves
     # waiting fails within minutes instead of torch's default half hour
     init_process_group("gloo", timeout=timedelta(seconds=180))
     try:

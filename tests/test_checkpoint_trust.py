@@ -187,7 +187,7 @@ def test_resume_auto_falls_back_to_the_newest_readable_checkpoint_and_says_so(ti
     if damage == "truncated":
         newest = run_dir / "checkpoint.pt"
         newest.write_bytes(newest.read_bytes()[:1000])
-        why = "cannot read the checkpoint (RuntimeError: "
+        why = "cannot read the checkpoint (not a complete torch.save file: "
     else:
         _poison(run_dir / "checkpoint.pt")
         why = "the checkpoint's weights are not finite (classifier.3.bias)"

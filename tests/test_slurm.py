@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from mnist_dist import topology
+from mnist_dist import environment, topology
 from mnist_dist.errors import ConfigError
 
 SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID")
@@ -38,7 +38,7 @@ def task(rank: int, job: int = 1234, step: int | None = 0) -> dict:
 
 def test_the_batch_step_is_told_to_start_the_tasks_with_srun(env, make_config):
     env(**task(0, step=None))  # sbatch --ntasks=2 exports these to the script itself
-    assert topology.launcher() == ""
+    assert environment.launcher() == ""
     with pytest.raises(ConfigError) as error:
         topology.resolve(make_config("mode=ddp", "gpus=2"))
     assert str(error.value) == (
@@ -49,7 +49,7 @@ def test_the_batch_step_is_told_to_start_the_tasks_with_srun(env, make_config):
 
 def test_an_srun_task_is_one(env):
     env(**task(1))
-    assert (topology.launcher(), topology.launched_rank()) == ("srun", 1)
+    assert (environment.launcher(), environment.launched_rank()) == ("srun", 1)
 
 
 def port_of(env, make_config, job: int, step: int) -> int:

@@ -7,6 +7,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -130,6 +131,43 @@ def test_a_foreign_client_of_the_store_can_neither_read_nor_break_the_job(tmp_pa
         foreign.join()
     assert seen.get("planted"), "the foreign client never got in: the test proves nothing"
     assert "read" not in seen, f"a foreign client read rank 0's address: {seen['read']!r}"
+
+
+def _where_the_store_is(rank: int, world_size: int) -> tuple:
+    path = Path(os.environ.get("MNIST_DIST_SPAWN_STORE", "/nowhere/store"))
+    dist.barrier()  # every rank has met in the store: its keys are all written
+    return str(path), stat.S_IMODE(path.parent.stat().st_mode) if path.parent.exists() else None
+
+
+def _lister(port: int, seen: set, done: threading.Event) -> None:
+    """Another local client of the port a spawned job listens on: lists every key it can, all the job long."""
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+            client.set("foreign/probe", "1")
+            while not done.is_set():
+                seen.update(client.list_keys())
+                time.sleep(0.01)
+        except Exception:  # not listening yet, or the job closed its store
+            time.sleep(0.05)
+
+
+def test_another_client_lists_no_key_of_the_job_and_cannot_open_its_store(tmp_path):
+    """issue 38: the prefix was no secret, since any client's list_keys() listed job_<token>/...; the job
+    now meets in a FileStore in a directory of mode 0700, which another local user cannot open."""
+    port, seen, done = _free_port(), set(), threading.Event()
+    lister = threading.Thread(target=_lister, args=(port, seen, done), daemon=True)
+    lister.start()
+    try:
+        where = run_ranks(_where_the_store_is, 2, tmp_path, port=port)
+    finally:
+        done.set()
+        lister.join()
+    assert "foreign/probe" in seen, "the foreign client never got in: the test proves nothing"
+    assert seen == {"foreign/probe"}, f"a foreign client listed the job's keys: {sorted(seen)}"
+    (path, mode), _ = where
+    assert mode == 0o700 and not Path(path).parent.exists()  # private while the job ran, removed after it
 
 
 def _alive(pid: int) -> bool:

@@ -4,7 +4,7 @@ app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py):
     from mnist_dist.parallel import DistributedDataParallel, init_process_group, spawn
 
     def worker(rank: int, world_size: int) -> None:
-        init_process_group("gloo")  # spawn set the address, rank, size and the job's secret store prefix
+        init_process_group("gloo")  # spawn set the address, rank, size and the job's private store
         model = DistributedDataParallel(MyNet())
         ...
 

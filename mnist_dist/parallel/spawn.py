@@ -9,10 +9,11 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -29,9 +30,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What every worker of a forkserver job has imported before it starts: torch, and torch._dynamo, which
 # torch.optim imports at the first step. A fresh interpreter pays ~7 s of CPU for the two.
 _PRELOAD = ("torch", "torch._dynamo")
-# The job's secret, in each worker's environment (which only its user can read): its keys in the store
-# live under a prefix made of it, so that another local user's client can neither read nor plant them.
-TOKEN_VARIABLE = "MNIST_DIST_SPAWN_TOKEN"
+# Where the job's store is, in each worker's environment: a FileStore in a directory only this user can
+# open. A prefix on the TCPStore was no secret: any local client's list_keys() lists every key there.
+STORE_VARIABLE = "MNIST_DIST_SPAWN_STORE"
 
 _beat: list[Beat] = []  # in a worker: its slot
 
@@ -47,12 +48,11 @@ def spawn(
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
     Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
-    WORLD_SIZE in its environment, and a random token of the job: ``init_process_group(backend)`` of this
-    module needs no other argument and puts the job's keys under a prefix made of the token, so that no
-    other local user's client of the store can read the ranks' addresses or plant a key that breaks the
-    job (plain ``dist.init_process_group(backend)`` works too, without that protection). The rendezvous
-    store is served by this process on 127.0.0.1 only, and gloo and NCCL are told to use the loopback
-    interface: nothing of the job listens on an address another machine can reach. ``fn``
+    WORLD_SIZE in its environment, and the path of the job's own store: ``init_process_group(backend)`` of
+    this module needs no other argument and meets in a FileStore in a new directory that only this user
+    can open (mode 0700), so that no other local user can list, read or plant a key of the job. Plain
+    ``dist.init_process_group(backend)`` works too, unprotected, through a TCPStore served on 127.0.0.1 only.
+    gloo and NCCL use the loopback interface: nothing listens on an address another machine can reach. ``fn``
     and ``args`` must be picklable (``fn`` defined at module level; in a script, call ``spawn`` under
     ``if __name__ == "__main__":``); what ``fn`` returns is ignored.
 
@@ -79,7 +79,8 @@ def spawn(
     # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
     reports, report_ends = zip(*(context.Pipe(duplex=False) for _ in range(world_size)))
     beats = [context.RawValue(Beat) for _ in range(world_size)]
-    env = {**os.environ, TOKEN_VARIABLE: secrets.token_hex(16)}
+    private = tempfile.mkdtemp(prefix="mnist_dist_store_")  # 0700: no other user can even look inside
+    env = {**os.environ, STORE_VARIABLE: os.path.join(private, "store")}
     workers = [
         context.Process(
             target=_worker,
@@ -94,15 +95,17 @@ def spawn(
     finally:
         stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
         del store  # closes the listening socket
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def job_store(timeout: timedelta = timedelta(minutes=5)) -> dist.Store | None:
-    """In a worker of ``spawn``: the job's store, its keys under the job's secret prefix; None elsewhere."""
-    token = os.environ.get(TOKEN_VARIABLE)
-    if not token:
+    """In a worker of ``spawn``: the job's store, which no other local user can open; None elsewhere."""
+    path = os.environ.get(STORE_VARIABLE)
+    if not path:
         return None
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"job_{token}", store)
+    store = dist.FileStore(path, -1)  # -1: the file is not removed by the last worker; spawn removes its directory
+    store.set_timeout(timeout)
+    return store
 
 
 def init_process_group(backend: str, **kwargs) -> None:

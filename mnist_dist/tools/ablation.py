@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from mnist_dist import machine
+from mnist_dist import files, machine
 from mnist_dist.tools.run import loadavg
 from mnist_dist.tools.time_to_accuracy import SINGLE_SECONDS_TARGET, accuracy_at, train
 
@@ -110,8 +110,8 @@ def run(settings: dict, out: Path) -> int:
     info = machine.describe()
     table = markdown(rows, settings, info, load)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ablation.md").write_text(table)
+    files.write_text(out / "ablation.md", table)
     saved = {"machine": info, "load": load, "settings": {k: str(v) for k, v in settings.items()}, "rows": rows}
-    (out / "ablation.json").write_text(json.dumps({**saved, "samples": samples}, indent=2) + "\n")
+    files.write_text(out / "ablation.json", json.dumps({**saved, "samples": samples}, indent=2) + "\n")
     print("\n" + table + f"\nwrote {out}/ablation.md, ablation.json")
     return 0

@@ -33,7 +33,7 @@ if __name__ == "__main__":
 import matplotlib
 import torch
 
-from mnist_dist import machine
+from mnist_dist import files, machine
 from mnist_dist.metrics import state_bytes, synchronize
 from mnist_dist.precision import Precision
 from mnist_dist.step import train_step
@@ -207,7 +207,8 @@ def chart(result: dict, path: Path) -> None:
     axis.set(ylabel="images/s (global, median, min–max)", title="throughput per case")
     axis.tick_params(axis="x", rotation=30)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+        figure.savefig(out.file, format="png", dpi=110)
     plt.close(figure)
 
 
@@ -325,9 +326,10 @@ def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: P
     out.mkdir(parents=True, exist_ok=True)
     info = machine.describe()
     table = markdown(result, settings, info)
-    (out / "bench.md").write_text(table)
-    (out / "bench.json").write_text(
-        json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n"
+    files.write_text(out / "bench.md", table)
+    files.write_text(
+        out / "bench.json",
+        json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n",
     )
     chart(result, out / "bench.png")
     minutes = (time.monotonic() - started) / 60

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no backend or global figure state
 
-from mnist_dist import machine
+from mnist_dist import files, machine
 from mnist_dist.tools.run import loadavg, median_counters, paired_ratio, prepare_work, run_trainer, summarize
 
 SIZES_MB = (0.05, 0.25, 1.0, 4.0, 25.0)  # 25: torch's bucket_cap_mb default; this convnet is 4.6 MiB in all
@@ -127,7 +127,8 @@ def chart(rows: list[dict], path: Path, machine_info: dict, ranks: int) -> None:
     where = machine_info.get("gpu") or machine_info["cpu"]
     figure.suptitle(f"bucket size sweep, {ranks} ranks: {where}, {machine_info['cores']} cores")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+        figure.savefig(out.file, format="png", dpi=110)
 
 
 def run(settings: dict, sizes: list[float], out: Path) -> int:
@@ -149,9 +150,9 @@ def run(settings: dict, sizes: list[float], out: Path) -> int:
     info, load = machine.describe(), f"{load_before} before, {loadavg()} after"
     table = markdown(rows, settings, info, load)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.md").write_text(table)
+    files.write_text(out / "sweep.md", table)
     saved = {"machine": info, "load": load, "settings": {**settings, "sizes_mb": sizes}, "rows": rows}
-    (out / "sweep.json").write_text(json.dumps({**saved, "samples": samples}, indent=2) + "\n")
+    files.write_text(out / "sweep.json", json.dumps({**saved, "samples": samples}, indent=2) + "\n")
     chart(rows, out / "sweep.png", info, settings["gpus"])
     minutes = (time.monotonic() - started) / 60
     print("\n" + table + f"\nwrote {out}/sweep.md, sweep.json, sweep.png ({minutes:.1f} minutes)")

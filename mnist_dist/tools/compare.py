@@ -40,7 +40,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import machine
+from mnist_dist import files, machine
 from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.launch import WorkerFailed, launch
@@ -179,7 +179,8 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
     rounds = len(rows[0]["images_per_s_rounds"])
     speed.set(ylabel="images/s (global)", title=f"throughput: median and min–max of {rounds} rounds")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+        figure.savefig(out.file, format="png", dpi=110)
     plt.close(figure)
 
 
@@ -215,8 +216,8 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     report["warnings"] = warnings(report, peak_load, report["machine"]["cores"])
     table = markdown(report)
     print("\n" + table)
-    (out / "compare.md").write_text(table)
-    (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    files.write_text(out / "compare.md", table)
+    files.write_text(out / "compare.json", json.dumps(report, indent=2) + "\n")
     chart(report, curves, out / "compare.png")
     print(f"wrote {out}/compare.md, compare.json, compare.png")
     return 0 if report["agree"] else 1

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 from pathlib import Path
+
+from mnist_dist import files
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: README.md and docs/
 # A chart's name in docs/ where it is not the run's.
@@ -61,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"error: no page under {args.root} has a '<!-- begin {name}.md -->' block")
         for page in marked:
             texts[page] = embed(texts[page], f"{name}.md", table.read_text())
-        if (directory / f"{name}.png").exists():
-            shutil.copyfile(directory / f"{name}.png", args.root / "docs" / DOCS_CHARTS.get(name, f"{name}.png"))
+        chart = directory / f"{name}.png"
+        if chart.exists():
+            files.write(args.root / "docs" / DOCS_CHARTS.get(name, f"{name}.png"), chart.read_bytes())
     for page, text in texts.items():
         if page.read_text() != text:
-            page.write_text(text)
+            files.write_text(page, text)
             print(f"updated {page}")
     return 0
 

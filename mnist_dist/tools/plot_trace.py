@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mnist_dist import files  # noqa: E402
+
 # row label, colour, test on an event name; the first match wins. Forward is drawn from the step's start
 # to its first backward op (data indexing and zero_grad included: both are small).
 KINDS = [
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xlabel(f"ms since ProfilerStep#{args.step} began")
     ax.set_title(f"{args.run_dir.name}: one training step per rank")
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    with files.atomic(args.out) as out:
+        fig.savefig(out.file, format=Path(args.out).suffix.lstrip(".") or "png", dpi=110)
     print(f"wrote {args.out}")
     return 0
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mnist_dist import files
+
 
 def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
     """Writes the four decompressed IDX files of a tiny data set into ``raw``; returns ``raw``."""
@@ -22,10 +24,7 @@ def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -
         for i, label in enumerate(labels.tolist()):
             row, col = divmod(label, 4)
             images[i, 2 + 8 * row : 8 + 8 * row, 2 + 7 * col : 7 + 7 * col] = 255
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
-            struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes()
-        )
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
-            struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes()
-        )
+        image_bytes, label_bytes = images.numpy().tobytes(), labels.to(torch.uint8).numpy().tobytes()
+        files.write(raw / f"{prefix}-images-idx3-ubyte", struct.pack(">IIII", 0x803, n, 28, 28) + image_bytes)
+        files.write(raw / f"{prefix}-labels-idx1-ubyte", struct.pack(">II", 0x801, n) + label_bytes)
     return raw

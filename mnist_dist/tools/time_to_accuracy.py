@@ -23,7 +23,7 @@ from pathlib import Path
 
 import matplotlib
 
-from mnist_dist import machine
+from mnist_dist import files, machine
 from mnist_dist.tensorboard import read_scalars
 from mnist_dist.tools.run import loadavg, train_in_subprocess
 
@@ -199,7 +199,8 @@ def chart(curves: dict[str, dict[float, float]], targets: list[float], title: st
     ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+        fig.savefig(out.file, format="png", dpi=110)
     plt.close(fig)
 
 
@@ -230,9 +231,9 @@ def run(settings: dict, out: Path) -> int:
     info = machine.describe()
     table = markdown(result, {k: v for k, v in settings.items() if k != "work"}, info, load)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tta.md").write_text(table)
+    files.write_text(out / "tta.md", table)
     saved = {"machine": info, "load": load, "settings": {k: str(v) for k, v in settings.items()}, **result}
-    (out / "tta.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, default=str) + "\n")
+    files.write_text(out / "tta.json", json.dumps({**saved, "samples": samples}, indent=2, default=str) + "\n")
     title = f"recipe=fast and classic on {settings['dataset']}, seed 1\n{machine.summary_line(info)}"
     chart(curves, targets, title, out / "tta.png")
     print("\n" + table + f"\nwrote {out}/tta.md, tta.json, tta.png")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mnist_dist import files
 from mnist_dist.config import Config
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
@@ -70,7 +71,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
             for name, model in wrapped.items():
                 report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
                 report[f"{name}_naive"] = _load_error(build(cfg), model.state_dict())
-            Path(out).write_text(json.dumps(report))
+            files.write_text(Path(out), json.dumps(report))
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still works can abort it
     finally:
         dist.destroy_process_group()
