@@ -294,3 +294,9 @@ def test_mnist_ddp_with_more_ranks_than_gpus_says_so_in_one_line(launched_by, ti
         "or use --device cpu"
     )
     assert capsys.readouterr().err == ""  # nothing else: the message is the whole of it
+
+
+def test_slurm_sbatch_says_when_the_ranks_stop_as_preemption_does():
+    # mnist_dist/preemption.py: a vote after every step, read one step later.
+    comment = " ".join(line.lstrip("# ") for line in (ROOT / "examples" / "slurm.sbatch").read_text().splitlines())
+    assert "log_every" not in comment and "vote after every step" in comment
