@@ -1,28 +1,32 @@
-"""Data-parallel MNIST / Fashion-MNIST training, the whole trainer in one file to copy.
+"""Data-parallel MNIST / Fashion-MNIST training in one file that needs only torch: copy it and run it.
 
-    torchrun --nproc_per_node=2 examples/mnist_ddp.py            # torchrun starts the ranks
-    python examples/mnist_ddp.py --nproc 2                       # or mnist_dist.parallel.spawn does
-    python examples/mnist_ddp.py --data DIR --dataset mnist      # a folder of the four IDX files (.gz or not)
+    torchrun --nproc_per_node=2 mnist_ddp.py           # torchrun starts the ranks (several machines too)
+    python mnist_ddp.py --nproc 2                      # or this file does, with torch.multiprocessing
+    python mnist_ddp.py --data DIR --dataset mnist     # a folder of the four IDX files (.gz or not)
+    python mnist_ddp.py --model fastnet                # a BatchNorm net (mnist_dist's FastNet)
+    python mnist_ddp.py --loader                       # DistributedSampler + DataLoader, as for your own Dataset
+    python mnist_ddp.py --ddp ours                     # our DDP: ddp.py copied beside this file
 
 pytorch/examples mnist (its convnet and recipe: Adadelta lr 1.0, StepLR x 0.7 per epoch, batch 64, seed 1)
 as one process per device: gloo on CPU, NCCL on CUDA (one GPU per rank). It computes what the app's
 ``python -m mnist_dist mode=ddp gpus=2`` computes, step for step (tests/test_examples.py checks it on
 CPU): the same initial weights, the same global batches (one seeded permutation per epoch, rank r taking
 the r-th part of each batch), per-rank dropout masks, exact sharded evaluation. The whole data set sits
-on the device as one tensor. Rank 0 prints one line per epoch and saves the plain model's weights
-(``--save``), which load into ``mnist_dist.model.ConvNet``. The default data is Debian's Fashion-MNIST
-(apt-get install dataset-fashion-mnist): nothing is downloaded.
+on the device as one tensor (``--loader`` draws batches through a DataLoader instead: other batches, so
+other numbers). Rank 0 prints one line per epoch, writes ``--checkpoint`` after every epoch and the plain
+model's weights at the end (``--save``, they load into ``mnist_dist.model.ConvNet`` or ``FastNet``). A
+run that finds its checkpoint goes on from it on every rank, exactly: killed and started again (by hand,
+or ``torchrun --max-restarts``), it ends with the weights of an uninterrupted run. Delete the checkpoint
+to start afresh. The default data is Debian's Fashion-MNIST (apt-get install dataset-fashion-mnist):
+nothing is downloaded. The default run (14 epochs, 2 ranks) takes about 19 min on 2 idle CPU cores, 80 s
+an epoch; on 2 shared ones far longer (one epoch took 8 min 21 s at a load average of 6, 2026-12-01).
 
-Every line that a one-process version would not have, or would write otherwise, ends in
-``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" examples/mnist_ddp.py`` lists them. Of
-mnist_dist it imports only ``mnist_dist.parallel`` (our ``DistributedDataParallel``, the ``spawn``
-launcher and ``init_process_group``, which under ``spawn`` keeps the job's keys to itself), files to copy.
-To train with torch's DDP instead, change the one line
-
-    model = parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
-
-into ``model = torch.nn.parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED``: the same
-numbers come out (tests/test_examples.py checks it).
+It imports only the standard library and torch. ``--ddp torch`` (the default) wraps with
+``torch.nn.parallel.DistributedDataParallel``; ``--ddp ours`` with the one class of ``ddp.py``, our
+hand-written DDP, which must then sit beside this file (copy ``examples/ddp.py`` too): the same numbers
+come out. Every line that a one-process version would not have, or would write otherwise, ends in
+``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" mnist_ddp.py`` lists them, 81 lines
+(this one included).
 """
 
 from __future__ import annotations
@@ -30,16 +34,17 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import socket  # ADDED FOR DISTRIBUTED: a free port for the launcher
 import struct
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist  # ADDED FOR DISTRIBUTED
+import torch.multiprocessing as mp  # ADDED FOR DISTRIBUTED
 import torch.nn.functional as F
 from torch import nn
-
-from mnist_dist import parallel  # ADDED FOR DISTRIBUTED: our DDP, launcher and process group set-up
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # ADDED FOR DISTRIBUTED: the sampler
 
 NORMALIZE = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}  # mean, std of the training images
 FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
@@ -64,6 +69,27 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+class FastNet(nn.Module):
+    """mnist_dist.model.FastNet, the fast recipe's net: (conv 3x3, maxpool, BatchNorm, ReLU) x 3, linear.
+    BatchNorm's running statistics are buffers, which each rank updates from its own share of a batch."""
+
+    def __init__(self, widths: tuple[int, int, int] = (24, 48, 96)) -> None:
+        super().__init__()
+        layers, channels_in = [], 1
+        for channels in widths:
+            layers += [nn.Conv2d(channels_in, channels, 3, padding=1, bias=False), nn.MaxPool2d(2)]
+            layers += [nn.BatchNorm2d(channels), nn.ReLU()]
+            channels_in = channels
+        self.features = nn.Sequential(*layers, nn.Flatten())
+        self.classifier = nn.Linear(widths[-1] * 3 * 3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+MODELS = {"convnet": ConvNet, "fastnet": FastNet}
 
 
 def idx_path(folder: Path, name: str) -> Path:
@@ -92,67 +118,122 @@ def load(folder: Path, split: str, dataset: str, device: torch.device) -> tuple[
     return images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std), labels.to(device, torch.int64)
 
 
+def resident_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, epoch: int):
+    """An epoch of batches of the tensors on the device: one permutation, a function of the seed and the epoch."""
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).to(x.device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # ADDED FOR DISTRIBUTED: the same order on every rank
+    per_rank = batch_size // world_size  # ADDED FOR DISTRIBUTED: batch_size is global
+    for start in range(0, len(order) - batch_size + 1, batch_size):  # the last partial batch dropped
+        indices = order[start + rank * per_rank : start + (rank + 1) * per_rank]  # ADDED FOR DISTRIBUTED
+        yield x[indices], y[indices]
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[float, float]:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Loss and accuracy over the whole test set."""
     model.eval()
     # Each rank scores a contiguous share and the sums are added: every image counts once, no padding.
-    share = slice(len(x) * rank // world_size, len(x) * (rank + 1) // world_size)  # ADDED FOR DISTRIBUTED
-    totals = torch.zeros(2, dtype=torch.float64, device=x.device)  # loss sum, correct
-    for start in range(share.start, share.stop, 1000):
-        stop = min(start + 1000, share.stop)
-        logits = model(x[start:stop])
-        totals[0] += F.cross_entropy(logits, y[start:stop], reduction="sum")
-        totals[1] += (logits.argmax(1) == y[start:stop]).sum()
+    n = len(x)
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # ADDED FOR DISTRIBUTED
+    share = slice(n * rank // world_size, n * (rank + 1) // world_size)  # ADDED FOR DISTRIBUTED
+    x, y = x[share], y[share]  # ADDED FOR DISTRIBUTED
+    totals = torch.zeros(2, dtype=torch.float64, device=x.device)  # ADDED FOR DISTRIBUTED: loss sum, correct
+    for batch in range(0, len(x), 1000):
+        logits = model(x[batch : batch + 1000])
+        totals[0] += F.cross_entropy(logits, y[batch : batch + 1000], reduction="sum")
+        totals[1] += (logits.argmax(1) == y[batch : batch + 1000]).sum()
     dist.all_reduce(totals)  # ADDED FOR DISTRIBUTED
     loss, correct = totals.tolist()
-    return loss / len(x), correct / len(x)
+    return loss / n, correct / n
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # ADDED FOR DISTRIBUTED: spawn's ranks are local
+def rng_state(device: torch.device) -> dict:
+    """This process's random state: its dropout masks to come, the DataLoader's seeds."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].cpu())  # map_location moved it; the generator takes a CPU tensor
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def train(args: argparse.Namespace) -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # ADDED FOR DISTRIBUTED
+    local_rank = int(os.environ["LOCAL_RANK"])  # ADDED FOR DISTRIBUTED: the device's index on this machine
     device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")  # ADDED FOR DISTRIBUTED
     if device.type == "cuda":  # ADDED FOR DISTRIBUTED
         torch.cuda.set_device(device)  # ADDED FOR DISTRIBUTED
-        parallel.init_process_group("nccl", device_id=device)  # ADDED FOR DISTRIBUTED: address, rank, size from env
+        dist.init_process_group("nccl", device_id=device)  # ADDED FOR DISTRIBUTED: address, rank, size from env
     else:  # ADDED FOR DISTRIBUTED: the processes on a machine share its cores, rather than each taking all
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # ADDED FOR DISTRIBUTED
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # ADDED FOR DISTRIBUTED
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # ADDED FOR DISTRIBUTED
-        parallel.init_process_group("gloo")  # ADDED FOR DISTRIBUTED: under spawn, in the job's own store
-    train_x, train_y = load(args.data, "train", args.dataset, device)
+        dist.init_process_group("gloo")  # ADDED FOR DISTRIBUTED
+    if args.loader:  # a Dataset of your own goes here; the DataLoader draws its batches
+        dataset = TensorDataset(*load(args.data, "train", args.dataset, torch.device("cpu")))
+        sampler = DistributedSampler(dataset, seed=args.seed, drop_last=True)  # ADDED FOR DISTRIBUTED: a share each
+        per_rank = args.batch_size // world_size  # ADDED FOR DISTRIBUTED
+        loader = DataLoader(dataset, per_rank, sampler=sampler, drop_last=True)  # ADDED FOR DISTRIBUTED
+    else:
+        train_x, train_y = load(args.data, "train", args.dataset, device)
     test_x, test_y = load(args.data, "t10k", args.dataset, device)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    model = ConvNet().to(device)
-    model = parallel.DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
+    model = MODELS[args.model]().to(device)
+    # A restarted job goes on from the last epoch's checkpoint; every rank reads it onto its own device.
+    state = torch.load(args.checkpoint, map_location=device) if args.checkpoint.exists() else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        if len(state["rng"]) != world_size:  # ADDED FOR DISTRIBUTED: one random state a rank
+            sys.exit(f"error: {args.checkpoint} was saved by {len(state['rng'])} ranks")  # ADDED FOR DISTRIBUTED
+    if args.ddp == "ours":  # ADDED FOR DISTRIBUTED
+        from ddp import DistributedDataParallel  # ADDED FOR DISTRIBUTED: ddp.py beside this file
+
+        model = DistributedDataParallel(model)  # ADDED FOR DISTRIBUTED
+    else:  # ADDED FOR DISTRIBUTED
+        device_ids = [local_rank] if device.type == "cuda" else None  # ADDED FOR DISTRIBUTED
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)  # ADDED FOR DISTRIBUTED
     torch.manual_seed(args.seed + rank)  # ADDED FOR DISTRIBUTED: each rank its own dropout masks
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+    first_epoch = 1
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"][rank], device)  # ADDED FOR DISTRIBUTED: this rank's own
+        first_epoch = state["epoch"] + 1
+        if rank == 0:  # ADDED FOR DISTRIBUTED
+            print(f"resuming after epoch {state['epoch']} of {args.epochs} from {args.checkpoint}", flush=True)
 
-    # --batch-size is the global batch, so the training does not depend on the number of ranks.
-    per_rank = args.batch_size // world_size  # ADDED FOR DISTRIBUTED
     losses = []  # each step's loss, kept on the device: no synchronisation per step
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(first_epoch, args.epochs + 1):
         model.train()
-        # One permutation per epoch, a function of the seed and the epoch: the same on every rank.
-        generator = torch.Generator().manual_seed(args.seed * 100_003 + epoch)
-        order = torch.randperm(len(train_x), generator=generator).to(device)
-        for start in range(0, len(order) - args.batch_size + 1, args.batch_size):  # the last partial batch dropped
-            indices = order[start + rank * per_rank : start + (rank + 1) * per_rank]  # ADDED FOR DISTRIBUTED
+        if args.loader:
+            sampler.set_epoch(epoch)  # ADDED FOR DISTRIBUTED: else every epoch repeats the first one's order
+            batches = ((x.to(device), y.to(device)) for x, y in loader)
+        else:
+            batches = resident_batches(train_x, train_y, args.batch_size, args.seed, epoch)
+        for x, y in batches:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(train_x[indices]), train_y[indices])
+            loss = F.cross_entropy(model(x), y)
             loss.backward()  # the gradients are averaged over the ranks when it returns
             optimizer.step()
             losses.append(loss.detach())
-            if len(losses) == args.max_steps:
-                break
-        test_loss, accuracy = evaluate(model.module, test_x, test_y, rank, world_size)  # ADDED FOR DISTRIBUTED
+        # Each rank's last forward updated its own BatchNorm statistics: evaluate, and save, rank 0's.
+        for buffer in model.module.buffers():  # ADDED FOR DISTRIBUTED
+            dist.broadcast(buffer, 0)  # ADDED FOR DISTRIBUTED
+        test_loss, accuracy = evaluate(model.module, test_x, test_y)  # ADDED FOR DISTRIBUTED: the module
         scheduler.step()
         if rank == 0:  # ADDED FOR DISTRIBUTED
             print(f"epoch {epoch}: test loss {test_loss:.4f}, accuracy {100 * accuracy:.2f} %", flush=True)
-        if len(losses) == args.max_steps:
-            break
+        rngs = [None] * world_size  # ADDED FOR DISTRIBUTED: every rank's random state, for rank 0 to save
+        dist.all_gather_object(rngs, rng_state(device))  # ADDED FOR DISTRIBUTED
+        if rank == 0:  # ADDED FOR DISTRIBUTED
+            saved = {"model": model.module.state_dict(), "rng": rngs, "epoch": epoch}  # ADDED FOR DISTRIBUTED
+            saved |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+            torch.save(saved, f"{args.checkpoint}.tmp")
+            os.replace(f"{args.checkpoint}.tmp", args.checkpoint)  # whole or not at all, if killed while saving
 
-    if args.log_losses:
+    if args.log_losses and losses:  # the steps of this start: none if resumed after the last epoch
         losses = torch.stack(losses).double()
         dist.all_reduce(losses)  # ADDED FOR DISTRIBUTED: the mean over the ranks
         losses /= world_size  # ADDED FOR DISTRIBUTED
@@ -164,18 +245,26 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()  # ADDED FOR DISTRIBUTED
 
 
+def spawned(local_rank: int, args: argparse.Namespace) -> None:  # ADDED FOR DISTRIBUTED: a rank mp.spawn started
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(local_rank)  # ADDED FOR DISTRIBUTED: the rest it inherits
+    train(args)  # ADDED FOR DISTRIBUTED
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help=f"a folder with the four IDX files (default: {DEBIAN})")
     parser.add_argument("--dataset", choices=NORMALIZE, default="fashion-mnist", help="sets the normalisation")
+    parser.add_argument("--model", choices=MODELS, default="convnet", help="fastnet: with BatchNorm")
+    parser.add_argument("--loader", action="store_true", help="batches from a DataLoader, not resident tensors")
     parser.add_argument("--epochs", type=int, default=14)
-    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=64, help="global: over all ranks")
+    parser.add_argument("--batch-size", type=int, default=64, help="global: over all ranks")  # ADDED FOR DISTRIBUTED
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--gamma", type=float, default=0.7, help="learning rate factor per epoch")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--nproc", type=int, help="ranks without torchrun (GPUs, or 2)")  # ADDED FOR DISTRIBUTED
+    parser.add_argument("--ddp", choices=["torch", "ours"], default="torch")  # ADDED FOR DISTRIBUTED: ours: ddp.py
+    parser.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"), help="written every epoch")
     parser.add_argument("--save", type=Path, default=Path("mnist_cnn.pt"), help="the trained weights")
     parser.add_argument("--log-losses", type=Path, help="write each step's training loss here, one a line")
     args = parser.parse_args()
@@ -188,18 +277,28 @@ def parse_args() -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if "LOCAL_RANK" in os.environ:  # ADDED FOR DISTRIBUTED: torchrun started this process
         args.nproc = int(os.environ["WORLD_SIZE"])  # ADDED FOR DISTRIBUTED
-    args.nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)  # ADDED FOR DISTRIBUTED
+    args.nproc = args.nproc or (torch.cuda.device_count() or 1 if args.device == "cuda" else 2)  # ADDED FOR DISTRIBUTED
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc))  # ADDED FOR DISTRIBUTED
+    gpus = torch.cuda.device_count()  # ADDED FOR DISTRIBUTED
+    if args.device == "cuda" and local_ranks > gpus:  # ADDED FOR DISTRIBUTED: one GPU a rank, or a traceback later
+        hint = f"start at most {gpus} (--nproc, torchrun --nproc_per_node) or use --device cpu"  # ADDED FOR DISTRIBUTED
+        sys.exit(f"error: {local_ranks} ranks on this machine, {gpus} GPU(s); {hint}")  # ADDED FOR DISTRIBUTED
     if args.batch_size % args.nproc:  # ADDED FOR DISTRIBUTED
         parser.error(f"--batch-size {args.batch_size} is not divisible by {args.nproc} ranks")  # ADDED FOR DISTRIBUTED
     return args
 
 
-if __name__ == "__main__":  # spawn's ranks import this file without running this
+if __name__ == "__main__":  # ADDED FOR DISTRIBUTED: the ranks spawn starts import this file, skipping this
     args = parse_args()
     if "LOCAL_RANK" in os.environ:  # ADDED FOR DISTRIBUTED: torchrun set RANK, WORLD_SIZE and the address
-        worker(int(os.environ["RANK"]), args.nproc, args)  # ADDED FOR DISTRIBUTED
+        train(args)  # ADDED FOR DISTRIBUTED
     else:  # ADDED FOR DISTRIBUTED
+        # What torchrun would set: a port the OS picks, not a fixed one a second job finds taken (pytorch#11324).
+        with socket.socket() as s:  # ADDED FOR DISTRIBUTED
+            s.bind(("127.0.0.1", 0))  # ADDED FOR DISTRIBUTED
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))  # ADDED FOR DISTRIBUTED
+        os.environ.update(WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc))  # ADDED FOR DISTRIBUTED
         try:  # ADDED FOR DISTRIBUTED
-            parallel.spawn(worker, args.nproc, args)  # ADDED FOR DISTRIBUTED: sets the same variables, then worker()
-        except parallel.WorkerFailed as error:  # ADDED FOR DISTRIBUTED
+            mp.spawn(spawned, (args,), nprocs=args.nproc)  # ADDED FOR DISTRIBUTED: each calls spawned(rank, args)
+        except mp.ProcessExitedException as error:  # ADDED FOR DISTRIBUTED: it printed why, or was killed
             sys.exit(f"error: {error}")  # ADDED FOR DISTRIBUTED

@@ -1,0 +1,1 @@
+../mnist_dist/parallel/ddp.py
