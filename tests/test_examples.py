@@ -31,14 +31,6 @@ EPOCHS = 3  # the reference runs: a kill after the first epoch leaves two to res
 EPOCH_LINE = r"epoch (\d+): test loss ([\d.]+), accuracy ([\d.]+) %"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # a free port
 SPAWN = [sys.executable]  # its own launcher: --nproc 2 is the default on CPU
-# Our DDP's file needs only torch once it is one file; until then it imports mnist_dist's other files.
-OURS_NEEDS_THE_APP = any(
-    isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mnist_dist"))
-    for node in ast.walk(ast.parse(OUR_DDP.read_text()))
-)
-until_one_file = pytest.mark.xfail(
-    OURS_NEEDS_THE_APP, reason="mnist_dist/parallel/ddp.py still imports mnist_dist (issue 34)", strict=True
-)
 
 
 @pytest.mark.slow
@@ -166,7 +158,6 @@ def test_mnist_ddp_with_our_ddp_beside_it_in_the_repo_computes_the_apps_run(tiny
 
 
 @pytest.mark.slow
-@until_one_file
 def test_mnist_ddp_with_our_ddp_copied_beside_it_alone_computes_the_apps_run(tiny_root, no_app, app, tmp_path):
     for name, launcher in {"spawn": SPAWN, "torchrun": TORCHRUN}.items():
         script = alone(tmp_path / name, MNIST_DDP, OUR_DDP)
@@ -258,14 +249,23 @@ def test_mnist_ddp_marks_every_line_that_mentions_distribution():
     assert f"lists them, {marked} lines" in ast.get_docstring(ast.parse(MNIST_DDP.read_text())).replace("\n", " ")
 
 
-def test_mnist_ddp_imports_only_the_standard_library_and_torch():
-    imported = set()
-    for node in ast.walk(ast.parse(MNIST_DDP.read_text())):
+def imported(path: Path) -> set[str]:
+    """The top-level modules ``path`` imports (a relative import counts as "." )."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
-    assert imported - set(sys.stdlib_module_names) == {"torch", "ddp"}  # ddp: our DDP's file, only for --ddp ours
+            names.add("." if node.level else (node.module or "").split(".")[0])
+    return names - set(sys.stdlib_module_names)
+
+
+def test_mnist_ddp_imports_only_the_standard_library_and_torch():
+    assert imported(MNIST_DDP) == {"torch", "ddp"}  # ddp: our DDP's file, only for --ddp ours
+
+
+def test_our_ddp_is_one_file_that_imports_only_torch():
+    assert imported(OUR_DDP) == {"torch"}
 
 
 def load_example():

@@ -1,5 +1,5 @@
 """Data parallelism for any ``nn.Module``, usable from your own script with nothing of MNIST or of this
-app (it imports nothing from the rest of mnist_dist; see examples/mnist_ddp.py)::
+app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression.py)::
 
     from mnist_dist.parallel import DistributedDataParallel, init_process_group, spawn
 
