@@ -9,11 +9,7 @@ its process group. In the spirit of torchtitan's ``ParallelDims``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
-import shutil
-import subprocess
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mnist_dist
+from mnist_dist import slurm
 from mnist_dist.config import Config, check_batch_divides
 from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
@@ -74,8 +71,6 @@ def resolve(cfg: Config) -> Topology:
 # SLURM_STEP_ID: only srun's tasks have it; sbatch exports the others to the batch script itself.
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST", "SLURM_STEP_ID")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# Derived ports lie below Linux's ephemeral range (32768-60999): no outgoing connection holds one.
-_SLURM_PORTS = range(15000, 32768)
 
 
 def launcher() -> str:
@@ -102,18 +97,6 @@ def _refuse_batch_step() -> None:
         )
 
 
-def _slurm_job() -> str:
-    """This task's job step, the same in all its tasks and in no other step: "<job id>.<step id>"."""
-    return f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ['SLURM_STEP_ID']}"
-
-
-def _slurm_port() -> int:
-    # Hashed, so that jobs do not collide by construction (15000 + job % 20000 gave jobs 1234 and 21234 one
-    # port); a collision that remains fails at once (_slurm_store) instead of joining another job.
-    digest = hashlib.sha256(_slurm_job().encode()).digest()
-    return _SLURM_PORTS[int.from_bytes(digest[:4], "big") % len(_SLURM_PORTS)]
-
-
 def launched_rank() -> int:
     """This worker's rank as torchrun or srun set it; 0 where this process starts the workers itself."""
     return int(os.environ.get({"torchrun": "RANK", "srun": "SLURM_PROCID"}.get(launcher(), ""), 0))
@@ -129,8 +112,8 @@ def from_env(cfg: Config) -> Topology:
         per_node = env.get("SLURM_NTASKS_PER_NODE", str(size // int(env.get("SLURM_NNODES", "1"))))
         local_size = int(per_node.split("(")[0])  # "2(x3)": 2 tasks on each of 3 nodes
         # Where rank 0 serves the job's store; every task derives the same port from the job step.
-        env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(cfg.dist.port or _slurm_port()))
+        env.setdefault("MASTER_ADDR", slurm.first_node(env["SLURM_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(cfg.dist.port or slurm.derived_port()))
     else:
         missing = [key for key in _TORCHRUN if key not in env]
         if missing:
@@ -145,23 +128,12 @@ def from_env(cfg: Config) -> Topology:
             f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
     check_batch_divides(cfg.batch_size, size, cfg.accumulate)
-    # srun --gpus-per-task=1 (or --gpu-bind=single:1) shows each task one GPU, its own.
-    own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1
-    needed = 1 if own_gpu else local_size
+    one_each = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
+    needed = 1 if one_each else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
+    own_gpu = one_each and kind == "cuda" and slurm.gpu_of_its_own(local_size)
     topology = _topology(cfg, kind, size, local_size)
     return dataclasses.replace(topology, rank=rank, local_rank=local_rank, own_gpu=own_gpu)
-
-
-def first_node(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``scontrol show hostnames`` where SLURM is installed, else the
-    simple forms (``a,b``, ``node[03-05,9]``) read here."""
-    if shutil.which("scontrol"):
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-        if hosts.returncode == 0 and hosts.stdout.split():
-            return hosts.stdout.split()[0]
-    name, bracket = re.match(r"([^,\[]*)(?:\[([^,\-\]]+))?", nodelist).groups()
-    return name + (bracket or "")
 
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
@@ -262,7 +234,7 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     if spawned is not None:
         return spawned
     if launcher() == "srun":
-        return _slurm_store(timeout)
+        return slurm.rendezvous_store(timeout)
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
     # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
     # So each attempt gets its own keys.
@@ -271,25 +243,3 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"mnist_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def _slurm_store(timeout: timedelta) -> dist.Store:
-    """Rank 0 serves the store and writes whose it is; a task that finds another job step's there (two steps
-    derived one port) fails at once, and the step's keys are under its own prefix, so none is shared."""
-    env, job = os.environ, _slurm_job()
-    host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["SLURM_PROCID"])
-    try:
-        store = dist.TCPStore(host, port, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    except dist.DistNetworkError as error:
-        raise ConfigError(
-            f"cannot serve the rendezvous store at {host}:{port} ({str(error).splitlines()[0]}): another job uses "
-            "the port? pass dist.port=<a free port>"
-        ) from None
-    if rank == 0:
-        store.set("mnist_dist/slurm_job", job)
-    elif (owner := store.get("mnist_dist/slurm_job").decode()) != job:
-        raise ConfigError(
-            f"the rendezvous store at {host}:{port} belongs to SLURM job {owner}, not to this job {job}: both derived "
-            "the same port; pass dist.port=<a free port> to one of them"
-        )
-    return dist.PrefixStore(f"mnist_dist/slurm_{job}", store)

@@ -35,7 +35,7 @@ def test_the_parallel_library_imports_nothing_of_the_app():
 TRAINING_PATH = {
     *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data", "fetch"),
     *("sharding", "checkpoint", "metrics", "results", "build", "precision", "console", "errors", "rundir"),
-    *("preemption", "profiling", "guards", "machine", "tensorboard", "resume", "compatibility"),
+    *("preemption", "profiling", "guards", "machine", "tensorboard", "resume", "compatibility", "slurm"),
 }
 
 
