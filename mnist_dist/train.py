@@ -155,7 +155,7 @@ def build(
         scheduler,
         Precision(cfg.amp, device),
         Throughput(topology.devices, cfg.warmup_steps),  # dp and split: every device they compute on
-        StepTimer(device, model, optimizer),
+        StepTimer(topology.devices, model, optimizer),
         scheduler_per_step=per_step,
     )
     if resumed:

@@ -164,7 +164,7 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
     model = nn.Linear(2, 2)
     model.clock = FakeWaitClock()  # what the app attaches to our DDP: it waited 3 ms of the 10 ms of backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
+    timer = metrics.StepTimer([torch.device("cuda:0")], model, optimizer)
     timer.start(sample=True)
     timer.mark("data")
     model(torch.randn(1, 2)).sum().backward()
@@ -176,12 +176,34 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
 
 class FakeStream:
     synchronized: list[torch.device] = []
+    waited: list[tuple[torch.device, torch.device]] = []
 
     def __init__(self, device):
         self.device = device
 
     def synchronize(self):
         FakeStream.synchronized.append(self.device)
+
+    def wait_stream(self, other):
+        FakeStream.waited.append((self.device, other.device))
+
+
+def test_the_step_phases_of_dp_wait_for_the_compute_stream_of_every_device(monkeypatch):
+    # dp computes on every GPU, but the phase stamps were events on cuda:0 alone: a replica still running
+    # on cuda:1 was in no phase. Each stamp now comes after every device's queued work, with no host wait.
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.TIMES, FakeEvent.recorded, FakeStream.waited = [0.0, 1.0, 11.0, 13.0], [], []
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = metrics.StepTimer(devices, model, optimizer)
+    timer.start(sample=True)
+    timer.mark("data")
+    model(torch.randn(1, 2)).sum().backward()
+    optimizer.step()
+    assert FakeStream.waited == [(devices[0], devices[1])] * 4  # before each of the 4 stamps
+    assert timer.lap() == pytest.approx({"data": 1.0, "forward_backward": 10.0, "comm_wait": 0.0, "optimizer": 2.0})
 
 
 def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(monkeypatch):
