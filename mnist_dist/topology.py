@@ -182,8 +182,7 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
-    deterministic_kernels(deterministic)
-    fp32_precision(tf32)
+    kernel_policy(deterministic, tf32)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
         for device in topology.devices:  # one process may run several jobs (compare, tests): each its own peak
@@ -201,6 +200,14 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
             **({"device_id": topology.device} if topology.backend == "nccl" else {}),
         )
     return topology.device
+
+
+def kernel_policy(deterministic: bool, tf32: bool) -> None:
+    """The kernels every training process computes with (``deterministic``, ``tf32``: the settings of those
+    names); the benchmark's in-process baselines use it too, so that their ratios to the trainer compare
+    the same arithmetic."""
+    deterministic_kernels(deterministic)
+    fp32_precision(tf32)
 
 
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:

@@ -18,7 +18,7 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
-from mnist_dist.tools import bench
+from mnist_dist.tools import baselines, bench
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
@@ -401,8 +401,8 @@ def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
 def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
     # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
     synchronized = []
-    monkeypatch.setattr(bench, "synchronize", lambda devices: synchronized.append(devices))
-    result = bench.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
+    monkeypatch.setattr(baselines, "synchronize", lambda devices: synchronized.append(devices))
+    result = baselines.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
     assert result["images_per_s"] > 0 and synchronized == [[torch.device("cpu")]] * 2  # before each clock read
     commands = []
 
