@@ -45,16 +45,19 @@ def composed(*overrides: str) -> Config:
         return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
-def timed(probe, *args) -> Row:
-    """``probe(*args)`` with its seconds; an exception is a failed row that says it, not a stopped check."""
+def timed(probe, *args) -> list[Row]:
+    """``probe(*args)``'s row or rows, the first with the seconds it took; an exception is a failed row that
+    says it, not a stopped check."""
     started = time.monotonic()
     try:
-        row = probe(*args)
+        found = probe(*args)
+        rows = found if isinstance(found, list) else [found]
     except Exception as error:  # the table goes on: one broken probe must not hide the others
-        name = getattr(probe, "__name__", "probe")
-        row = Row(name, "", f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", False)
-    row.seconds = time.monotonic() - started
-    return row
+        what = f"{getattr(probe, '__name__', 'probe')}{tuple(map(str, args))}"
+        said = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        rows = [Row(what, "", said, False)]
+    rows[0].seconds = time.monotonic() - started
+    return rows
 
 
 class ThreadProbe(nn.Module):
