@@ -7,6 +7,7 @@ bench.json and compare.json records ``describe()`` and every table prints ``summ
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 from pathlib import Path
@@ -68,11 +69,24 @@ def describe() -> dict:
     }
     if info["gpus"]:
         info.update(
-            gpu=torch.cuda.get_device_name(0),
+            gpu=_gpu_name(),
             cuda=torch.version.cuda,
             driver=_nvidia_driver(),
         )
     return info
+
+
+def _gpu_name() -> str:
+    """cuda:0's model. torch.cuda.get_device_name() initialises CUDA (a context, hundreds of MiB of GPU
+    memory) in the process that asks: a CPU rank on a GPU host reads the driver's own files instead."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(0)
+    for path in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):  # by PCI address, as CUDA's order
+        for line in _read(path).splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model":
+                return value.strip()
+    return "unknown"
 
 
 def _nvidia_driver() -> str:

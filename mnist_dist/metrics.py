@@ -169,8 +169,27 @@ class Stopwatch:
                 self.start()
 
 
+class _AllDevicesClock:
+    """``StreamClock`` stamps on the first device's compute stream, made to wait for the compute streams of
+    the others first (dp's replicas run on every GPU): a device-side wait, so the host still never blocks."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.first, *self.others = devices
+        self.clock = StreamClock(self.first)
+
+    def now(self):
+        if self.first.type == "cuda":
+            for other in self.others:
+                torch.cuda.current_stream(self.first).wait_stream(torch.cuda.current_stream(other))
+        return self.clock.now()
+
+    def seconds(self, start, end) -> float:
+        return self.clock.seconds(start, end)
+
+
 class StepTimer:
-    """Splits sampled steps into phases, with time stamps on the compute stream (``StreamClock``): on CUDA
+    """Splits sampled steps into phases, with time stamps on the compute stream (``StreamClock``) of the
+    first of ``devices`` (every device the process computes on), after the others' queued work: on CUDA
     nothing waits while a step runs, and the stamps are read once it has ended. Only the steps passed
     ``sample=True`` are timed.
 
@@ -186,9 +205,9 @@ class StepTimer:
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 
     def __init__(
-        self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
+        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
     ) -> None:
-        self.clock = clock or StreamClock(device)
+        self.clock = clock or _AllDevicesClock(devices)
         self.wait_clock = getattr(model, "clock", None)  # our DistributedDataParallel's (parallel/timing.py)
         self.sampling = False
         self.stamps: list = []  # this step's: the start, then one per phase ended

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mnist_dist.metrics import all_reduce
-from mnist_dist.parallel import heartbeat
+from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.sharding import eval_shard
 
@@ -86,6 +86,18 @@ def evaluate(
     loss_sum, correct = all_reduce([loss_sum, correct])
     heartbeat("training")
     return loss_sum / len(x), correct / len(x)
+
+
+def evaluate_as_saved(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
+) -> tuple[float, float]:
+    """``evaluate`` of the model a checkpoint saves (a collective: every rank calls it at the same step).
+
+    Each rank's last training forward updated its BatchNorm statistics from its own share; rank 0's are
+    the ones saved, so every rank takes them first, and the reported accuracy is model.pt's. The
+    wrappers' own broadcasts at the next training forward are unchanged."""
+    buffers_from_rank0(model)
+    return evaluate(unwrap(model), x, y, batch_size, rank, world_size)
 
 
 class TrainingDiverged(RuntimeError):

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import mnist_dist
+from mnist_dist import slurm
 from mnist_dist.config import Config, check_batch_divides
-from mnist_dist.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_job, slurm_port
+from mnist_dist.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
 from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
 from mnist_dist.parallel.spawn import heartbeat, job_store
@@ -89,10 +90,10 @@ def from_env(cfg: Config) -> Topology:
             f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
     check_batch_divides(cfg.batch_size, size, cfg.accumulate)
-    # srun --gpus-per-task=1 (or --gpu-bind=single:1) shows each task one GPU, its own.
-    own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1
-    needed = 1 if own_gpu else local_size
+    one_each = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
+    needed = 1 if one_each else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
+    own_gpu = one_each and kind == "cuda" and slurm.gpu_of_its_own(local_size)
     topology = _topology(cfg, kind, size, local_size)
     return dataclasses.replace(topology, rank=rank, local_rank=local_rank, own_gpu=own_gpu)
 
@@ -143,8 +144,7 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
-    deterministic_kernels(deterministic)
-    fp32_precision(tf32)
+    kernel_policy(deterministic, tf32)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
         for device in topology.devices:  # one process may run several jobs (compare, tests): each its own peak
@@ -162,6 +162,14 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
             **({"device_id": topology.device} if topology.backend == "nccl" else {}),
         )
     return topology.device
+
+
+def kernel_policy(deterministic: bool, tf32: bool) -> None:
+    """The kernels every training process computes with (``deterministic``, ``tf32``: the settings of those
+    names); the benchmark's in-process baselines use it too, so that their ratios to the trainer compare
+    the same arithmetic."""
+    deterministic_kernels(deterministic)
+    fp32_precision(tf32)
 
 
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
@@ -195,7 +203,7 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     if spawned is not None:
         return spawned
     if launcher() == "srun":
-        return _slurm_store(timeout)
+        return slurm.rendezvous_store(timeout)
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
     # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
     # So each attempt gets its own keys.
@@ -204,25 +212,3 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"mnist_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def _slurm_store(timeout: timedelta) -> dist.Store:
-    """Rank 0 serves the store and writes whose it is; a task that finds another job step's there (two steps
-    derived one port) fails at once, and the step's keys are under its own prefix, so none is shared."""
-    env, job = os.environ, slurm_job()
-    host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["SLURM_PROCID"])
-    try:
-        store = dist.TCPStore(host, port, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    except dist.DistNetworkError as error:
-        raise ConfigError(
-            f"cannot serve the rendezvous store at {host}:{port} ({str(error).splitlines()[0]}): another job uses "
-            "the port? pass dist.port=<a free port>"
-        ) from None
-    if rank == 0:
-        store.set("mnist_dist/slurm_job", job)
-    elif (owner := store.get("mnist_dist/slurm_job").decode()) != job:
-        raise ConfigError(
-            f"the rendezvous store at {host}:{port} belongs to SLURM job {owner}, not to this job {job}: both derived "
-            "the same port; pass dist.port=<a free port> to one of them"
-        )
-    return dist.PrefixStore(f"mnist_dist/slurm_{job}", store)

@@ -37,12 +37,11 @@ from mnist_dist.metrics import (
     state_bytes,
 )
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.parallel import buffers_from_rank0, unwrap
 from mnist_dist.precision import Precision
 from mnist_dist.results import finish
 from mnist_dist.resume import diverged_advice, restore, save_checkpoint
 from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
-from mnist_dist.step import TrainingDiverged, check_finite, evaluate, train_step
+from mnist_dist.step import TrainingDiverged, check_finite, evaluate_as_saved, train_step
 from mnist_dist.tensorboard import Scalars
 from mnist_dist.topology import Topology
 
@@ -156,7 +155,7 @@ def build(
         scheduler,
         Precision(cfg.amp, device),
         Throughput(topology.devices, cfg.warmup_steps),  # dp and split: every device they compute on
-        StepTimer(device, model, optimizer),
+        StepTimer(topology.devices, model, optimizer),
         scheduler_per_step=per_step,
     )
     if resumed:
@@ -247,12 +246,9 @@ def evaluate_now(run: Run) -> bool:
     run.throughput.pause()  # the next step starts its clock again
     with run.train_clock.paused():
         run.eval_clock.start()
-        # What rank 0 saves is what every rank evaluates (its share of the test set), so the reported
-        # accuracy is model.pt's. The wrappers' own broadcasts at the next training forward are unchanged.
-        buffers_from_rank0(run.model)
         with run.precision.autocast():
-            run.test_loss, run.test_accuracy = evaluate(
-                unwrap(run.model),
+            run.test_loss, run.test_accuracy = evaluate_as_saved(
+                run.model,
                 run.test_x,
                 run.test_y,
                 run.cfg.test_batch_size,

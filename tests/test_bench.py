@@ -139,3 +139,26 @@ def test_a_tiny_run_reports_what_it_measured(tmp_path):
     assert ratio["name"] == "single / ceiling" and ratio["median"] == pytest.approx(single / ceiling)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "bench.md").read_text() in result.stdout
+
+
+def test_the_in_process_baselines_run_under_the_trainers_kernel_policy(tmp_path, monkeypatch):
+    # `classic` and `ceiling` skipped setup_process: on a GPU, `single / ceiling` compared the trainer's
+    # fp32 convolutions with TF32 ones (torch 2.14's default) and non-deterministic cuDNN autotuning.
+    import torch
+
+    from mnist_dist.config import Config
+    from mnist_dist.tools import baselines
+
+    torch.backends.cudnn.conv.fp32_precision = "tf32"  # torch's default for convolutions on a GPU
+    torch.use_deterministic_algorithms(False)
+    seen = []
+    real_step = baselines.train_step
+
+    def step(*args, **kwargs):
+        seen.append((torch.backends.cudnn.conv.fp32_precision, torch.are_deterministic_algorithms_enabled()))
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(baselines, "train_step", step)
+    baselines.measure_here("ceiling", tmp_path, batch=4, steps=1, warmup=0, device=torch.device("cpu"))
+    assert Config.tf32 is False and Config.deterministic is True  # the trainer's defaults
+    assert seen == [("ieee", True)]

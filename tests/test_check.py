@@ -108,3 +108,18 @@ def test_a_model_that_cannot_be_built_is_one_line():
 def test_help_prints_the_usage(capsys, flag):
     assert check.main([flag]) == 0
     assert capsys.readouterr().out.startswith("Pre-flight check")
+
+
+def test_the_batchnorm_warning_says_what_evaluation_and_checkpoints_use():
+    # It said "evaluation runs on each rank's own": the trainer gives every rank rank 0's buffers before it
+    # evaluates (step.evaluate_as_saved), so the reported accuracy is the checkpoint's.
+    from mnist_dist.tools.check import ranks
+
+    status, name, why = ranks._buffers({"differing": ["features.1.running_mean"], "buffers": 3})
+    assert (status, name) == ("WARN", "rank buffers")
+    assert "each rank's own" not in why
+    assert why.endswith(
+        "each rank updates them from its own batch. Both DDPs give every rank rank 0's before each forward, "
+        "and the trainer does before it evaluates: evaluation and checkpoints use rank 0's, so the buffers "
+        "differ only between those moments"
+    )

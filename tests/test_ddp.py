@@ -247,7 +247,7 @@ def comm_wait_timed(rank, world_size):
     ddp = DistributedDataParallel(TwoHeads())
     ddp.clock = BackwardClock(torch.device("cpu"))  # as the app attaches it
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    timer = StepTimer(torch.device("cpu"), ddp, optimizer)
+    timer = StepTimer([torch.device("cpu")], ddp, optimizer)
     x = torch.randn(4, 8)
     waits = []
     for late in (False, True):  # the first backward records the bucket plan

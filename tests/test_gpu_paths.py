@@ -18,7 +18,7 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
-from mnist_dist.tools import bench
+from mnist_dist.tools import baselines, bench
 from mnist_dist.topology import Topology, from_env, resolve, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
@@ -164,7 +164,7 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
     model = nn.Linear(2, 2)
     model.clock = FakeWaitClock()  # what the app attaches to our DDP: it waited 3 ms of the 10 ms of backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    timer = metrics.StepTimer(torch.device("cuda:0"), model, optimizer)
+    timer = metrics.StepTimer([torch.device("cuda:0")], model, optimizer)
     timer.start(sample=True)
     timer.mark("data")
     model(torch.randn(1, 2)).sum().backward()
@@ -176,12 +176,34 @@ def test_the_step_phases_on_cuda_are_events_on_the_compute_stream(monkeypatch):
 
 class FakeStream:
     synchronized: list[torch.device] = []
+    waited: list[tuple[torch.device, torch.device]] = []
 
     def __init__(self, device):
         self.device = device
 
     def synchronize(self):
         FakeStream.synchronized.append(self.device)
+
+    def wait_stream(self, other):
+        FakeStream.waited.append((self.device, other.device))
+
+
+def test_the_step_phases_of_dp_wait_for_the_compute_stream_of_every_device(monkeypatch):
+    # dp computes on every GPU, but the phase stamps were events on cuda:0 alone: a replica still running
+    # on cuda:1 was in no phase. Each stamp now comes after every device's queued work, with no host wait.
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.TIMES, FakeEvent.recorded, FakeStream.waited = [0.0, 1.0, 11.0, 13.0], [], []
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = metrics.StepTimer(devices, model, optimizer)
+    timer.start(sample=True)
+    timer.mark("data")
+    model(torch.randn(1, 2)).sum().backward()
+    optimizer.step()
+    assert FakeStream.waited == [(devices[0], devices[1])] * 4  # before each of the 4 stamps
+    assert timer.lap() == pytest.approx({"data": 1.0, "forward_backward": 10.0, "comm_wait": 0.0, "optimizer": 2.0})
 
 
 def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(monkeypatch):
@@ -294,10 +316,33 @@ def srun_task(monkeypatch):
 def test_srun_with_one_gpu_per_task_uses_cuda_0(make_config, monkeypatch, srun_task):
     # --gpus-per-task=1: each task sees its own GPU as cuda:0; SLURM_LOCALID is not a device index.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
     found = from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
     assert (found.rank, found.local_rank, found.device) == (1, 1, torch.device("cuda:0"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every task sees the node's GPUs
     assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:1")
+
+
+def test_srun_tasks_bound_to_a_gpu_each_use_cuda_0(make_config, monkeypatch, srun_task):
+    # --gpu-bind=single:1 without --gpus-per-task: the step holds 4 GPUs, this task sees one of them.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("SLURM_STEP_GPUS", "0,1,2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:0")
+
+
+def test_srun_tasks_that_share_one_gpu_are_refused_in_one_line(make_config, monkeypatch, srun_task):
+    # 4 tasks, one GPU that each sees (--gres=gpu:1): every task took cuda:0 and NCCL failed later with
+    # "Duplicate GPU detected". How many GPUs a task sees does not say whether they are its own.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError) as error:
+        from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    assert str(error.value) == (
+        "4 srun tasks on this node share the one GPU each sees (CUDA_VISIBLE_DEVICES=0, no SLURM_GPUS_PER_TASK): "
+        "NCCL takes one rank per GPU; ask srun for --gpus-per-task=1, start one task per GPU, or pass device=cpu"
+    )
+    assert from_env(make_config("mode=ddp", "gpus=4", "device=cpu")).device == torch.device("cpu")
 
 
 def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
@@ -356,8 +401,8 @@ def test_model_state_counts_our_ddp_bucket_buffers(one_rank):
 def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
     # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
     synchronized = []
-    monkeypatch.setattr(bench, "synchronize", lambda devices: synchronized.append(devices))
-    result = bench.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
+    monkeypatch.setattr(baselines, "synchronize", lambda devices: synchronized.append(devices))
+    result = baselines.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
     assert result["images_per_s"] > 0 and synchronized == [[torch.device("cpu")]] * 2  # before each clock read
     commands = []
 

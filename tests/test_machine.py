@@ -52,3 +52,27 @@ def test_results_json_records_the_machine(make_config, tmp_path):
     launch(make_config("epochs=1"), tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     assert_machine_fields(results["machine"])
+
+
+GPU_INFORMATION = "Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t GPU-0\n"
+
+
+def test_describe_names_the_gpu_without_initialising_cuda(monkeypatch):
+    # A CPU rank on a GPU host (device=cpu, or gloo ranks) must not create a CUDA context to name the GPU:
+    # torch.cuda.get_device_name() initialises CUDA in every process that calls it.
+    def initialises(*args):
+        raise AssertionError("describe() initialised CUDA")
+
+    monkeypatch.setattr(machine.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(machine.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(machine.torch.cuda, "get_device_name", initialises)
+    monkeypatch.setattr(machine.torch.cuda, "_lazy_init", initialises)
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: ["/proc/driver/nvidia/gpus/0000:01:00.0/information"])
+    read = machine._read
+    monkeypatch.setattr(machine, "_read", lambda path: GPU_INFORMATION if path.endswith("information") else read(path))
+    info = machine.describe()
+    assert info["gpus"] == 1 and info["gpu"] == "NVIDIA H200"
+    # where CUDA is in use already, torch's own name of cuda:0 is free and exact
+    monkeypatch.setattr(machine.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda device: "NVIDIA H200 NVL")
+    assert machine.describe()["gpu"] == "NVIDIA H200 NVL"

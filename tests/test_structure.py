@@ -36,6 +36,7 @@ TRAINING_PATH = {
     *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data", "fetch"),
     *("sharding", "checkpoint", "metrics", "results", "build", "precision", "console", "errors", "rundir"),
     *("preemption", "profiling", "guards", "machine", "tensorboard", "resume", "compatibility", "files", "environment"),
+    "slurm",
 }
 
 

@@ -54,7 +54,7 @@ class DataParallel(nn.DataParallel):
             self.module, self.device_ids = module, []
 
     def parallel_apply(self, replicas, inputs, kwargs):
-        calls = in_callers_autocast(replicas, self.src_device_obj.type)
+        calls = in_callers_autocast(replicas, inputs[0][0].device.type)  # the device the batch was scattered to
         return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
 
 
@@ -71,9 +71,13 @@ class FunctionalDataParallel(nn.Module):
             return self.module(x)
         inputs = scatter(x, self.device_ids)  # a slice of the batch per device
         replicas = replicate(self.module, self.device_ids[: len(inputs)])  # the model, copied, every step
-        # one thread per device, each in the caller's autocast dtype
-        outputs = parallel_apply(in_callers_autocast(replicas, inputs[0].device.type), [(chunk,) for chunk in inputs])
+        outputs = self.parallel_apply(replicas, [(chunk,) for chunk in inputs])
         return gather(outputs, self.device_ids[0])  # everything back on the first device
+
+    def parallel_apply(self, replicas: list[nn.Module], inputs: list[tuple], kwargs=None) -> list:
+        """One thread per device, each in the caller's autocast dtype (nn.DataParallel's method of that name)."""
+        calls = in_callers_autocast(replicas, inputs[0][0].device.type)
+        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
 
 
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:

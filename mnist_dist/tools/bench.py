@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,10 +33,8 @@ import matplotlib
 import torch
 
 from mnist_dist import files, machine
-from mnist_dist.metrics import state_bytes, synchronize
-from mnist_dist.precision import Precision
-from mnist_dist.step import train_step
 from mnist_dist.tools import ablation, bucket_sweep, time_to_accuracy
+from mnist_dist.tools.baselines import measure_here
 from mnist_dist.tools.run import median_counters, paired_ratio, prepare_work, run_trainer, summarize
 
 matplotlib.use("Agg")
@@ -210,46 +207,6 @@ def chart(result: dict, path: Path) -> None:
     with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
         figure.savefig(out.file, format="png", dpi=110)
     plt.close(figure)
-
-
-def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
-    """The two cases written in the benchmark itself, in this process, on ``device``, the clock read with
-    its compute stream synchronised (as the trainer's), so that their ratios to the trainer's cases compare
-    the same device."""
-    from torch.utils.data import DataLoader
-    from torchvision import datasets, transforms
-
-    from mnist_dist.model import ConvNet
-
-    torch.manual_seed(0)
-    model = ConvNet().to(device)
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    precision = Precision("off", device)
-    if case == "classic":  # pytorch/examples mnist, as people write it: batches go to the device in the loop
-        dataset = datasets.MNIST(
-            str(root),
-            train=True,
-            download=False,
-            transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]),
-        )
-        batches = iter(DataLoader(dataset, batch_size=batch, shuffle=True))
-    else:
-        resident = (torch.randn(batch, 1, 28, 28, device=device), torch.randint(0, 10, (batch,), device=device))
-        batches = iter(lambda: resident, None)
-    for step in range(warmup + steps):
-        if step == warmup:
-            synchronize([device])
-            started = time.perf_counter()
-        x, y = next(batches)
-        train_step(model, optimizer, x.to(device), y.to(device), precision)
-    synchronize([device])
-    seconds = time.perf_counter() - started
-    return {
-        "images_per_s": steps * batch / seconds,
-        "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
-        "model_state_mib": [state_bytes(model, optimizer) / 2**20],
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:

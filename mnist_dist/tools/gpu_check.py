@@ -1,217 +1,145 @@
-"""GPU check: every mode on the visible GPUs and the checks nothing else runs, in one go (one H200: see
-docs/gpus.md for the time budget).
+"""GPU check: on one GPU, a row for each CUDA path that nothing else runs, each able to fail for what it names.
 
-    mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
-    python -m mnist_dist.tools.gpu_check               # on a machine with CUDA
-    python -m mnist_dist.tools.gpu_check --device cpu  # every part that can run on a CPU (a smoke test)
+    pip install -e . && mkdir -p data/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fashion-mnist/
+    python -m mnist_dist.tools.gpu_check --quick         # the rows that matter: about 3 minutes on one H200
+    python -m mnist_dist.tools.gpu_check                 # every mode and each mode's variants too
+    python -m mnist_dist.tools.gpu_check --device cpu --quick   # the check itself, on a CPU (rows that need
+                                                                 # CUDA are skipped, each with a note)
 
-1. modes: single, dp and its variants, split, ddp, torch_ddp and fsdp for a few hundred steps on generated
-   data with dropout off (replicas would draw different masks): each exits 0, and dp, functional dp
-   and block dp follow single's loss over the first steps. With 2 ranks or more, ddp's comm_wait > 0.
-2. variants, per mode: amp=bf16, amp=fp16, compile, channels_last, tf32=true and deterministic=false
-   (the mode's own run has tf32 off, deterministic on): each exits 0 (or is refused in one line where
-   the combination cannot work) and its first loss, same weights and batch, is the mode's own within the
-   variant's rounding. They run ``--jobs`` at a time: their images/s are not shown.
-3. with 2 GPUs or more: the dtype dp's replicas compute in under amp=bf16 (each in a thread of its own).
-4. gradients: our DDP and torch DDP on 2 gloo ranks sharing one GPU (CUDA tensors, so our DDP's side
-   stream runs with real concurrency), TF32 off, equal one process's gradients within 1e-5.
-5. overhead: single, ddp and torch_ddp with gpus=1 (NCCL on CUDA); ddp's images/s against single's.
-6. time to accuracy: recipe=fast to each of --targets on Fashion-MNIST (data/fashion-mnist, an ignored folder;
-   generated data when it is absent), the trainer's clock synchronising the device at every start and stop.
+Rows, in order (docs/gpus.md says what each proves and which bug makes it fail):
 
-Checks 3 and 4 wrap models directly instead of training (gpu_wrappers.py). Prints one table and the time
-it took; exits non-zero if any check fails. Needs nothing but the project installed.
+- probes in this process (gpu_probes.py): dp's and functional dp's replica dtype under autocast, two threads
+  on one GPU, ours against raw torch; the TF32 policy against float64;
+- probes on ranks (gpu_wrappers.py): NCCL at world size 1 bound to its GPU; on two gloo ranks sharing the
+  GPU, our DDP's exposed wait with overlap on against off, a BatchNorm model's reported evaluation against
+  model.pt's, both DDPs' gradients against one process;
+- the trainer (gpu_runs.py): single, ddp and torch_ddp at gpus=1 (NCCL); time to accuracy on Fashion-MNIST;
+  without --quick also every mode and each mode's variants (amp, compile, channels_last, tf32, deterministic).
+
+Prints a table naming the GPU and the date, each row's figure and seconds; exits non-zero if a row fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import datetime
+import importlib.metadata
+import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from mnist_dist.modes import MODES, DataParallelMode
-from mnist_dist.tensorboard import read_scalars
-from mnist_dist.tools.gpu_wrappers import check_gradients, check_replica_dtype
-from mnist_dist.tools.run import train_in_subprocess
+from mnist_dist import machine
+from mnist_dist.modes import MODES
+from mnist_dist.tools import gpu_runs, gpu_wrappers
+from mnist_dist.tools.gpu_probes import Row, replica_dtype, tf32_policy, timed
 from mnist_dist.tools.synthetic import write_idx
-from mnist_dist.tools.time_to_accuracy import accuracy_curve, fractions, seconds_to
+from mnist_dist.tools.time_to_accuracy import fractions
 
-AGREE_STEPS = 20
-TOLERANCE = 1e-3  # relative; cuDNN picks kernels per batch shape, so replicas differ in rounding
-FASHION = Path(__file__).resolve().parent.parent / "data" / "fashion-mnist"  # ignored by git: carry it
-# name: (overrides, most relative difference of the first loss from the mode's own run). The first step
-# has the same weights and batch: only the arithmetic differs (bf16 keeps 8 bits of mantissa, fp16 11,
-# TF32 10; compile, NHWC and non-deterministic kernels only reorder fp32 sums).
-VARIANTS = {
-    "amp=bf16": (["amp=bf16"], 0.02),
-    "amp=fp16": (["amp=fp16"], 0.01),
-    "compile": (["compile=true"], 1e-3),
-    "channels_last": (["channels_last=true"], 1e-3),
-    "tf32": (["tf32=true"], 0.01),
-    "deterministic=false": (["deterministic=false"], 1e-3),
-}
-REFUSED = "error: compile=true with mode="  # combinations the trainer refuses in one line, by design
+FASHION = Path("data", "fashion-mnist")  # the folder docs/gpus.md fills, under the directory it runs from
 
 
-def losses(run_dir: Path) -> list[float]:
-    """The run's training loss per step, the mean over ranks."""
-    return list(read_scalars(run_dir)["train/loss_global"].values())
-
-
-def train(run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
-    """One training process; its results.json (None if it failed) and, if it failed, its last error line."""
+def preflight(args) -> tuple[list[str], list[str]]:
+    """(notes, problems): the package installed (its configs are found through it), a C compiler for the
+    compile variants (torch.compile's inductor builds C++), the Fashion-MNIST files."""
+    notes, problems = [], []
     try:
-        return train_in_subprocess(list(overrides), run_dir), ""
-    except RuntimeError as error:
-        return None, str(error)
+        notes.append(f"mnist_dist {importlib.metadata.version('mnist_dist')} installed")
+        importlib.import_module("mnist_dist.conf")
+    except (importlib.metadata.PackageNotFoundError, ModuleNotFoundError):
+        problems.append("mnist_dist is not installed (its Hydra configs come with it): pip install -e .")
+    compiler = next((shutil.which(cc) for cc in ("cc", "gcc", "clang") if shutil.which(cc)), None)
+    if compiler is None and "compile" in args.variants:
+        args.variants.remove("compile")
+        notes.append("no C compiler (cc, gcc, clang): the compile variants are skipped (apt-get install gcc)")
+    if not (args.fashion / "train-images-idx3-ubyte.gz").exists():
+        notes.append(f"{args.fashion} holds no Fashion-MNIST: time to accuracy runs on generated data")
+    return notes, problems
 
 
-def warmup(args) -> str:
-    """Steps left out of images/s: 5 (the trainer's default), fewer on small data so that some are timed."""
-    # the first step after warm-up starts the clock, so at least two must follow it
-    return f"warmup_steps={min(5, max(0, args.train_images * args.epochs // 128 - 2))}"
+def on_ranks(name: str, device_type: str, work: Path) -> list[Row]:
+    """One of gpu_wrappers' rank probes: its worker on 2 gloo ranks sharing the device (NCCL: 1 rank)."""
+    worker, rows = RANK_PROBES[name]
+    where = work / name
+    where.mkdir(parents=True, exist_ok=True)
+    report = gpu_wrappers.ranks(worker, device_type, where, world_size=1 if name == "nccl" else 2)
+    return rows(report, where, device_type)
 
 
-def common(args, work: Path, gpus: int) -> tuple[str, ...]:
-    """The overrides every run of checks 1 and 2 shares: the generated data, dropout off, every step logged."""
-    return (
-        f"data.root={work / 'data'}",
-        "data.mirrors=[]",
-        f"batch_size={128 // gpus * gpus}",
-        "log_every=1",
-        warmup(args),
-        f"device={args.device}",
-        "model.dropout=false",
-    )
+RANK_PROBES = {
+    "nccl": (gpu_wrappers.nccl_worker, lambda report, where, device: gpu_wrappers.nccl_row(report)),
+    "overlap": (
+        gpu_wrappers.overlap_worker,
+        lambda r, where, device: gpu_wrappers.overlap_row(
+            r["on"], r["off"], f"2 gloo ranks on one {device}", judged=device == "cuda"
+        ),
+    ),
+    "batchnorm": (gpu_wrappers.batchnorm_worker, gpu_wrappers.batchnorm_row),
+    "gradients": (
+        gpu_wrappers.gradient_worker,
+        lambda report, where, device: gpu_wrappers.gradient_rows(report, device),
+    ),
+}
 
 
-def check_modes(args, work: Path, gpus: int, failed: list[str]) -> tuple[list[tuple], dict[str, dict]]:
-    """Every mode of the table, on as many devices as it can use; dp variants follow single's loss. Also
-    returns each mode's results.json."""
-    rows, curves, done = [], {}, {}
-    for name in args.modes:
-        mode_gpus = MODES[name].devices(gpus)
-        run_dir = work / "runs" / name
-        overrides = (f"mode={name}", f"gpus={mode_gpus}", f"epochs={args.epochs}", *common(args, work, gpus))
-        results, error = train(run_dir, *overrides)
-        if results is None:
-            failed.append(f"{name}: {error}")
-            rows.append((name, mode_gpus, float("nan"), float("nan")))
-            continue
-        curves[name], done[name] = losses(run_dir), results
-        rows.append((name, mode_gpus, results["train_images_per_s"], curves[name][-1]))
-        waited = results["step_time_ms"]["comm_wait"]
-        if name == "ddp" and mode_gpus > 1 and not waited > 0:  # 0: the phases were not timed on the stream
-            failed.append(f"ddp: comm_wait is {waited} ms on {mode_gpus} ranks; it must be > 0")
-    for name in [name for name, entry in MODES.items() if entry.schema is DataParallelMode]:
-        if name in curves and "single" in curves:
-            ours = torch.tensor(curves[name][:AGREE_STEPS])
-            reference = torch.tensor(curves["single"][:AGREE_STEPS])
-            worst = ((ours - reference).abs() / reference.abs()).max().item()
-            if worst > TOLERANCE:
-                failed.append(
-                    f"{name}: loss differs from single by {worst:.2e} (> {TOLERANCE:g}) "
-                    f"within the first {AGREE_STEPS} steps"
-                )
-    return rows, {name: {**results, "first_loss": curves[name][0]} for name, results in done.items()}
+def probe_rows(args, work: Path) -> list[Row]:
+    """The probes: in this process (CUDA only: on a CPU the wrappers pass through and fp32 is fp32, so
+    tests/test_gpu_probes.py fakes CUDA there instead), then on ranks."""
+    rows = []
+    if args.device == "cuda":
+        device = torch.device("cuda:0")
+        for name in ("dp", "dp_functional"):
+            rows += timed(replica_dtype, name, device)
+        rows += timed(tf32_policy, device)
+        rows += timed(on_ranks, "nccl", args.device, work)
+    for name in ("overlap", "batchnorm", "gradients"):
+        rows += timed(on_ranks, name, args.device, work)
+    return rows
 
 
-def check_variants(args, work: Path, gpus: int, baselines: dict[str, dict], failed: list[str]) -> list[tuple]:
-    """Each variant of each mode that ran, one epoch, ``args.jobs`` at a time: (mode, variant, devices, result)."""
-    cases = [(name, variant) for name in args.modes if name in baselines for variant in args.variants]
-
-    def run(case: tuple[str, str]) -> tuple:
-        name, variant = case
-        overrides, tolerance = VARIANTS[variant]
-        mode_gpus = MODES[name].devices(gpus)
-        run_dir = work / "runs" / f"{name}_{variant.replace('=', '_')}"
-        results, error = train(
-            run_dir, f"mode={name}", f"gpus={mode_gpus}", "epochs=1", *common(args, work, gpus), *overrides
-        )
-        if results is None:
-            if REFUSED in error and variant == "compile":
-                return name, variant, mode_gpus, f"refused as designed: use {error.split('; use ')[-1]}"
-            failed.append(f"{name} {variant}: {error}")
-            return name, variant, mode_gpus, "FAILED"
-        curve = losses(run_dir)
-        reference = baselines[name]["first_loss"]
-        difference = abs(curve[0] - reference) / abs(reference)
-        if not difference <= tolerance or not math.isfinite(curve[-1]):
-            failed.append(
-                f"{name} {variant}: first loss {difference:.1e} from {name}'s (> {tolerance:g}), last {curve[-1]}"
-            )
-        return name, variant, mode_gpus, f"first loss {difference:.1e} from {name}'s, last {curve[-1]:.4f}"
-
-    with ThreadPoolExecutor(args.jobs) as pool:  # each a subprocess: the threads only wait
-        return list(pool.map(run, cases))
+def trainer_rows(args, work: Path, gpus: int) -> list[Row]:
+    rows = []
+    if not args.quick:
+        mode_rows, first_losses = gpu_runs.check_modes(args, work, gpus)
+        rows += mode_rows + gpu_runs.check_variants(args, work, gpus, first_losses)
+    for check in (gpu_runs.check_overhead, gpu_runs.check_time_to_accuracy):
+        started = time.monotonic()
+        found = check(args, work)
+        found[0].seconds = time.monotonic() - started
+        rows += found
+    return rows
 
 
-def check_overhead(args, work: Path, failed: list[str]) -> dict[str, float]:
-    """single, and the checked ones of ddp and torch_ddp, on one device (NCCL on CUDA, gloo on CPU):
-    images/s of each; single is the baseline of the others' overhead."""
-    speeds = {}
-    data = (f"data.root={work / 'data'}", "data.mirrors=[]", f"epochs={args.epochs}", "batch_size=128", warmup(args))
-    for name in ["single", *[name for name in ("ddp", "torch_ddp") if name in args.modes]]:
-        results, error = train(work / "runs" / f"{name}_1", f"mode={name}", "gpus=1", f"device={args.device}", *data)
-        if results is None:
-            failed.append(f"{name} gpus=1: {error}")
-        speeds[name] = results["train_images_per_s"] if results else float("nan")
-    return speeds
-
-
-def check_time_to_accuracy(args, work: Path, failed: list[str]) -> tuple[str, dict | None]:
-    """recipe=fast to the highest target on Fashion-MNIST if it is there (generated data otherwise); its
-    results.json with ``seconds_to``, the training seconds to each target on the run's curve."""
-    if (args.fashion / "train-images-idx3-ubyte.gz").exists():
-        data, where = (
-            ("data=fashion_mnist", f"data.mirrors=[{args.fashion}]", f"data.root={work / 'fashion'}"),
-            "Fashion-MNIST",
-        )
-    else:
-        # batch 64: enough steps on the small generated set for OneCycle's warm-up and anneal phases
-        data = (f"data.root={work / 'data'}", "data.mirrors=[]", "batch_size=64")
-        where = f"generated data ({args.fashion} is empty)"
-    schedule = [f"epochs={args.tta_epochs}"] if args.tta_epochs else []  # default: the recipe's own
-    target = args.targets[-1]
-    results, error = train(
-        work / "runs" / "fast",
-        "recipe=fast",
-        f"device={args.device}",
-        *schedule,
-        f"target_accuracy={target}",
-        "eval_every_steps=47",
-        *data,
-    )
-    if results is None or results["time_to_target_s"] is None:
-        failed.append(f"recipe=fast: {error or f'did not reach {target:.1%} on {where}'}")
-        return where, None
-    curve = accuracy_curve(work / "runs" / "fast")
-    return where, {**results, "seconds_to": [seconds_to(curve, t) for t in args.targets]}
+def table(rows: list[Row], header: list[str]) -> str:
+    lines = [*header, "", "| row | proves | figure | result | s |", "|---|---|---|---|---|"]
+    for row in rows:
+        seconds = f"{row.seconds:.0f}" if row.seconds else ""
+        lines.append(f"| {row.name} | {row.proves} | {row.figure} | {'ok' if row.ok else '**FAILED**'} | {seconds} |")
+    return "\n".join(lines)
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--train-images", type=int, default=12_800, help="x 1 epoch / batch = steps")
+    parser.add_argument("--quick", action="store_true", help="the rows that matter: no modes or variants")
+    parser.add_argument("--train-images", type=int, default=12_800, help="generated images: x epochs / batch = steps")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--fashion", type=Path, default=FASHION, help="the four Fashion-MNIST .gz files")
     parser.add_argument("--targets", type=fractions, default="0.91,0.92", help="recipe=fast's test accuracies")
     parser.add_argument("--tta-epochs", type=int, help="recipe=fast's schedule (default: the recipe's)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: the modes checked (all)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: of each mode (all)")
+    parser.add_argument("--variants", default=",".join(gpu_runs.VARIANTS), help="comma-separated: of each mode (all)")
     parser.add_argument("--jobs", type=int, default=4, help="variant runs at a time")
     args = parser.parse_args()
     args.modes, args.variants = args.modes.split(","), [v for v in args.variants.split(",") if v]
     if unknown := set(args.modes) - set(MODES):
         parser.error(f"--modes: no mode {', '.join(sorted(unknown))}; the modes are {', '.join(MODES)}")
-    if unknown := set(args.variants) - set(VARIANTS):
-        parser.error(f"--variants: no variant {', '.join(sorted(unknown))}; the variants are {', '.join(VARIANTS)}")
+    if unknown := set(args.variants) - set(gpu_runs.VARIANTS):
+        known = ", ".join(gpu_runs.VARIANTS)
+        parser.error(f"--variants: no variant {', '.join(sorted(unknown))}; the variants are {known}")
     return args
 
 
@@ -219,49 +147,27 @@ def main() -> int:
     args = arguments()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if gpus == 0:
-        print("gpu_check: no CUDA device is visible (use --device cpu to check the script itself)")
+        print("gpu_check: no CUDA device is visible (--device cpu checks the script itself)")
+        return 1
+    notes, problems = preflight(args)
+    if problems:
+        print("\n".join(f"gpu_check: {problem}" for problem in problems))
         return 1
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=args.train_images, n_test=2_000)
-    failed: list[str] = []
-    rows, baselines = check_modes(args, work, gpus, failed)
-    variants = check_variants(args, work, gpus, baselines, failed)
-    dtypes = check_replica_dtype(failed) if args.device == "cuda" and gpus > 1 else {}
-    worst = check_gradients(args.device, work, failed)
-    speeds = check_overhead(args, work, failed)
-    where, fast = check_time_to_accuracy(args, work, failed)
-    print(
-        f"\n{args.device}, {gpus} device(s), {args.epochs} epoch(s) of {args.train_images} generated images, "
-        f"{time.monotonic() - started:.0f} s\n\n| check | devices | images/s | result |\n|---|---|---|---|"
-    )
-    for mode, mode_gpus, speed, loss in rows:
-        print(f"| {mode} | {mode_gpus} | {speed:,.0f} | final loss {loss:.4f} |")
-    if "ddp" in baselines and baselines["ddp"]["world_size"] > 1:
-        ranks, phases = baselines["ddp"]["world_size"], baselines["ddp"]["step_time_ms"]
-        print(
-            f"| ddp comm_wait, {ranks} ranks | {ranks} | | {phases['comm_wait']:.3f} of {sum(phases.values()):.3f} ms |"
-        )
-    for mode, variant, mode_gpus, result in variants:
-        print(f"| {mode} {variant} | {mode_gpus} | | {result} |")
-    for name, found in dtypes.items():
-        print(f"| {name} replicas under amp=bf16 | 2 | | {found} |")
-    print_rest(args, worst, speeds, where, fast)
-    print("\n" + ("\n".join(f"FAILED {line}" for line in failed) if failed else "all checks passed"))
+    rows = probe_rows(args, work) + trainer_rows(args, work, gpus)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else machine.describe()["cpu"]
+    header = [
+        f"gpu_check{' --quick' if args.quick else ''} on {device} ({gpus} visible), "
+        f"{datetime.date.today().isoformat()}, {time.monotonic() - started:.0f} s",
+        machine.summary_line(machine.describe()),
+        *notes,
+    ]
+    print("\n" + table(rows, header))
+    failed = [row for row in rows if not row.ok]
+    print("\n" + ("\n".join(f"FAILED {row.name}: {row.figure}" for row in failed) if failed else "all rows passed"))
     return 1 if failed else 0
-
-
-def print_rest(args, worst: dict, speeds: dict, where: str, fast: dict | None) -> None:
-    for name, difference in worst.items():
-        print(f"| {name} gradients, 2 gloo ranks on one {args.device} | 1 | | max difference {difference:.1e} |")
-    for name, speed in speeds.items():
-        overhead = f"{speeds['single'] / speed - 1:+.1%} time vs single" if name != "single" else "baseline"
-        print(f"| {name} gpus=1 | 1 | {speed:,.0f} | {overhead} |")
-    for target, seconds in zip(args.targets, fast["seconds_to"] if fast else []):
-        reached = "not reached" if seconds is None else f"{seconds:.2f} s"
-        if target == args.targets[-1]:  # where the run stopped
-            reached = f"{fast['time_to_target_s']:.2f} s, {fast['steps_to_target']} steps"
-        print(f"| recipe=fast to {target:.1%}, {where} | 1 | {fast['train_images_per_s']:,.0f} | {reached} |")
 
 
 if __name__ == "__main__":

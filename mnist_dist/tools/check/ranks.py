@@ -158,8 +158,8 @@ def _buffers(report: dict) -> Line:
         "rank buffers",
         f"{len(report['differing'])} buffer(s) differ across ranks after "
         f"a step ({names(report['differing'])}): each rank updates them from its own batch. "
-        "Both DDPs give every rank rank 0's before each forward, so they never drift; but "
-        "evaluation runs on each rank's own and checkpoints hold rank 0's",
+        "Both DDPs give every rank rank 0's before each forward, and the trainer does before it evaluates: "
+        "evaluation and checkpoints use rank 0's, so the buffers differ only between those moments",
     )
 
 
