@@ -199,7 +199,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
         message = describe_hydra_error(error, overrides)
-        if "; valid keys: " in message:
+        if "valid keys: " in message:
             message += f", {compare_options.OWN_KEYS} (compare's own)"
         sys.exit(f"error: {message}")
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
