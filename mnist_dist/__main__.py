@@ -16,11 +16,12 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from mnist_dist.errors import exit_on_interrupt
+from mnist_dist.errors import command, exit_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # until main(): the imports below (torch, Hydra: seconds) and Hydra's composition
@@ -47,6 +48,7 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
 def _run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    started = time.time()
     fresh = rundir.made_here(run_dir)  # this launch made it: it may go again if the run leaves nothing
     written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
     outcome = Outcome()
@@ -63,6 +65,7 @@ def _run(cfg: DictConfig) -> None:
                 held.enter_context(rundir.owned(directory))  # refused while a live run writes there
             launch(config, run_dir, HydraConfig.get().overrides.task)
         outcome.finished = True
+        exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
     except WorkerFailed as error:
         outcome.keep_logs = True  # the line names the failed rank's log: its traceback is there
         sys.exit(f"error: {error}")
@@ -74,7 +77,7 @@ def _run(cfg: DictConfig) -> None:
         sys.stderr.write(f"{stop}\n")
         sys.exit(preemption.REQUEUE)
     except KeyboardInterrupt:
-        interrupted(_interrupted(written or [run_dir]))
+        interrupted(_interrupted(written or [run_dir], started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
         outcome.keep_logs = True
         sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
@@ -90,10 +93,14 @@ class Outcome:
     keep_logs: bool = False
 
 
-def _interrupted(written: list[Path]) -> str:
-    """The checkpoint that resume would go on from, if there is one (a resumed run's, when resuming)."""
+def _interrupted(written: list[Path], started: float) -> str:
+    """That the run finished, if it did (since ``started``), else the checkpoint that resume would go on from,
+    if there is one (a resumed run's, when resuming)."""
     if launched_rank():
         return f"rank {launched_rank()} interrupted"  # rank 0 says where the run stands
+    results = written[0] / "results.json"  # written last, after model.pt; an older one is an earlier run's
+    if results.is_file() and results.stat().st_mtime >= started:
+        return f"interrupted as the run ended; it is complete in {written[0]}"
     saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
     if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.compatibility)
         again = shlex.join(["python", "-m", "mnist_dist", f"resume={saved[0].parent}"])
@@ -146,13 +153,14 @@ if __name__ == "__main__":
         sys.exit(f"error: {error}")
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    try:
-        main()
-    except KeyboardInterrupt:  # between a sweep's runs, or as one ends
-        interrupted("interrupted; every run that printed its run directory is complete")
-    except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
-    except OSError as error:  # Hydra could not create the run directory
-        sys.exit(f"error: {describe_os_error(error)}")
-    except Exception as error:  # before any run directory exists: nowhere to keep a traceback
-        sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    with command():  # once it has its status, the process ends without the interpreter's teardown
+        try:
+            main()
+        except KeyboardInterrupt:  # between a sweep's runs, or as one ends
+            interrupted("interrupted; every run that printed its run directory is complete")
+        except HydraException as error:
+            sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
+        except OSError as error:  # Hydra could not create the run directory
+            sys.exit(f"error: {describe_os_error(error)}")
+        except Exception as error:  # before any run directory exists: nowhere to keep a traceback
+            sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

@@ -9,6 +9,7 @@ defaults live in one place: the top-level settings here, each mode's knobs in it
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -232,13 +233,33 @@ def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = Non
         message += f": {cause.msg.splitlines()[0]}"
         schema = getattr(cause, "object_type", None)
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and hasattr(schema, "__dataclass_fields__"):
-            message += f"; valid keys: {', '.join(schema.__dataclass_fields__)}"
+            fields = list(schema.__dataclass_fields__)
+            guess = _guess(str(cause.key), fields, overrides or []) if schema is Config else _close(cause.key, fields)
+            message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
         elif isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "." in (cause.full_key or ""):
             group, key = cause.full_key.split(".", 1)
             chosen = _chosen(group, key, overrides)
             if chosen:
                 message += f"; {chosen[0]} has {', '.join(chosen[1])} (+{cause.full_key}=... adds a key)"
     return message
+
+
+def _close(key: object, keys: Sequence[str]) -> str | None:
+    return next(iter(difflib.get_close_matches(str(key), keys, n=1, cutoff=0.75)), None)
+
+
+def _guess(key: str, fields: list[str], overrides: Sequence[str]) -> str | None:
+    """What a top-level ``key`` that Config lacks may have meant: a group's key of that name (``lr``: optim.lr,
+    in the options the other overrides choose), else a top-level key spelt alike (``epoch``: epochs)."""
+    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != key]
+    try:
+        GlobalHydra.instance().clear()  # the command's own Hydra may still hold it
+        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+            cfg = compose("config", overrides=rest)
+        groups = [f"{name}.{key}" for name in fields if OmegaConf.is_dict(cfg[name]) and key in cfg[name]]
+    except Exception:  # the other overrides do not compose either: guess from the spelling alone
+        groups = []
+    return groups[0] if groups else _close(key, fields)
 
 
 def _chosen(group: str, key: str, overrides: Sequence[str] | None) -> tuple[str, list[str]] | None:

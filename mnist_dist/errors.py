@@ -4,6 +4,7 @@ detail kept in the rank's log."""
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
@@ -11,6 +12,8 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NoReturn
 
@@ -161,3 +164,30 @@ def interrupted(message: str) -> NoReturn:
     interrupt from a failure (1)."""
     sys.stderr.write(f"{message}\n")
     sys.exit(128 + (_received[0] if _received else signal.SIGINT))
+
+
+_status: list[int] = []  # the command's exit status, once it has one: the process then ends as _end_now says
+
+
+@contextmanager
+def command() -> Iterator[None]:
+    """Around a command's body: once it has its exit status, the process ends as soon as the other atexit
+    handlers ran, without the interpreter's teardown. That teardown frees torch's objects for seconds on a
+    busy machine, and Python puts Ctrl-C back to its default first: a Ctrl-C then (a second one after the
+    ``interrupted`` line, or one as a finished run exits) ended the command silently, killed by the signal."""
+    try:
+        yield
+    except SystemExit as stop:  # a str is printed by Python before the atexit handlers run: status 1
+        _status[:] = [stop.code if isinstance(stop.code, int) else int(stop.code is not None)]
+        raise
+    _status[:] = [0]
+
+
+@atexit.register  # before torch is imported, so after the handlers it registers (atexit runs the last first)
+def _end_now() -> None:
+    if _status:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+                stream.flush()
+        os._exit(_status[0])

@@ -41,7 +41,10 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode).
 
     ``overrides``: the command line's, said in one console line once every check has passed (a bad
-    setting stays a one-line error); the full config goes to config.yaml and rank 0's log.
+    setting stays a one-line error); the full config goes to config.yaml and rank 0's log. They also say
+    what a resume changes: the settings they name, and those that differ from the defaults. Called without
+    them (a test, a script of your own), a setting equal to its default counts as not set, and the
+    checkpoint's own value is taken; every caller in the package passes them (tests/test_structure.py).
     """
     if launcher():
         return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size

@@ -9,13 +9,13 @@ given explicitly (``hydra.run.dir=...``) is protected by the lock instead.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
-from filelock import FileLock, Timeout
 from omegaconf import OmegaConf
 
 from mnist_dist.config import ConfigError
@@ -80,19 +80,35 @@ OmegaConf.register_new_resolver("unique_subdir", unique_subdir, replace=True)
 def owned(run_dir: Path) -> Iterator[None]:
     """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already.
 
-    The lock is an flock: the kernel releases it when its holder dies, however it dies.
+    The lock is an flock: the kernel releases it when its holder dies, however it dies. Its file goes when the
+    body ends, removed while still held, so a finished run's directory holds only what the run wrote; a launch
+    that opened the file just before that finds the file it locked gone, and takes a new one.
     """
-    lock = FileLock(run_dir / LOCK, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise ConfigError(
-            f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
-        ) from None
+    path = run_dir / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
+            ) from None
+        if _is_at(fd, path):
+            break
+        os.close(fd)  # removed by the run that held it as this launch opened it
     try:
         yield
     finally:
-        lock.release()
+        path.unlink(missing_ok=True)
+        os.close(fd)  # releases the flock
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def refuse_another_run(run_dir: Path) -> None:

@@ -143,9 +143,33 @@ def test_an_interrupted_compare_leaves_no_half_run_and_says_the_time_first(tiny_
     (out,) = (tmp_path / "outputs" / "compare").glob("*/*")
     assert [p.name for p in out.iterdir()] == ["single"]  # complete; the interrupted ddp run is gone
     said = capsys.readouterr()
-    assert "compare: 2 modes x 2 rounds = 4 runs; the time left is said after the first" in said.out
+    assert "compare: 2 modes x 2 rounds = 4 runs, about " in said.out
     assert "compare: single took 0:01:30; the 3 runs left take about 0:04:30 at its pace" in said.out
     assert (
         said.err.strip().splitlines()[-1]
         == f"interrupted; no report written (the complete runs: {out.relative_to(tmp_path)})"
     )
+
+
+def test_the_time_is_estimated_before_the_first_run_and_says_how(tiny_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mnist_dist.tools.compare_estimate.probe_step_s", lambda cfg: 0.5)  # s a step
+
+    def launch(cfg, run_dir, overrides=()):
+        raise Stop  # the line was printed before
+
+    monkeypatch.setattr(compare, "launch", launch)
+    with pytest.raises(Stop):
+        compare.main(["modes=[single,ddp]", "repeats=2", "epochs=2", "batch_size=32", f"data.root={tiny_root}"])
+    # 640 images at batch 32: 2 x 20 steps of 0.5 s, and 2 x 200 test images at a third of a step's 1/32
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "compare: 2 modes x 2 rounds = 4 runs, about 88 s (4 runs x ~22 s: 40 steps at ~500 ms from a 5-step "
+        "probe of single, and evaluation; start-up not counted); said again after the first run"
+    )
+
+
+def test_the_probe_times_the_first_modes_steps(make_config):
+    from mnist_dist.tools.compare_estimate import duration, probe_step_s
+
+    assert probe_step_s(make_config("batch_size=32"), steps=2) > 0
+    assert [duration(s) for s in (40, 130, 125, 900, 3900)] == ["40 s", "2 min 10 s", "2 min", "15 min", "1 h 5 min"]

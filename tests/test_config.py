@@ -79,8 +79,11 @@ def test_unknown_key_fails_while_composing():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("epoch=3", "error: Could not override 'epoch': Key 'epoch' not in 'Config'; valid keys: mode,"),
-        ("mode.nme=x", "Key 'nme' not in 'SingleMode'; valid keys: name\n"),
+        (
+            "epoch=3",
+            "error: Could not override 'epoch': Key 'epoch' not in 'Config'; did you mean epochs? valid keys: mode,",
+        ),
+        ("mode.nme=x", "Key 'nme' not in 'SingleMode'; did you mean name? valid keys: name\n"),
         (
             "mode.overlap=false",  # a knob of another mode
             "error: Could not override 'mode.overlap': Key 'overlap' not in 'SingleMode'; valid keys: name\n",
@@ -135,6 +138,24 @@ def test_a_key_the_chosen_model_lacks_is_one_line_with_its_keys(overrides, expec
     with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
         compose("config", overrides=overrides)
     assert f"error: {describe_hydra_error(error.value, overrides)}\n" == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["lr=0.1"], "Key 'lr' not in 'Config'; did you mean optim.lr? valid keys: mode, model, "),
+        (["dropout=false"], "Key 'dropout' not in 'Config'; did you mean model.dropout? valid keys: "),
+        (["recipe=fast", "widths=[8,16]"], "Key 'widths' not in 'Config'; did you mean model.widths? valid keys: "),
+        (["epoch=3"], "Key 'epoch' not in 'Config'; did you mean epochs? valid keys: "),
+        (["mode.nme=x"], "Key 'nme' not in 'SingleMode'; did you mean name? valid keys: name"),
+        (["colour=red"], "Key 'colour' not in 'Config'; valid keys: "),  # nothing like it: no guess
+    ],
+)
+def test_a_misplaced_key_says_where_it_lives(overrides, expected):
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
+        compose("config", overrides=overrides)
+    line = f"error: {describe_hydra_error(error.value, overrides)}\n"
+    assert line.count("\n") == 1 and expected in line, line
 
 
 def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):

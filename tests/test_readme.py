@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import FASHION, compose_config
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -213,7 +212,8 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
     first_command = re.search(r"```bash\n(.+?)\n```", text, re.S).group(1)
     training = shlex.split(first_command.split(" && ")[-1])  # .venv/bin/python -m mnist_dist ...
     assert training[:3] == [".venv/bin/python", "-m", "mnist_dist"]
-    ((claimed, kernels),) = re.findall(r"reaches (\d+\.\d+) % test accuracy where torch runs its\s+(\w+) kernels", text)
+    # a range, not one CPU's figure: other CPUs and torch's kernels for them round differently
+    ((low, high),) = re.findall(r"The first command reaches (\d+\.\d+) to (\d+\.\d+) % test accuracy", text)
     result = subprocess.run(
         [sys.executable, *training[1:], f"data.root={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True,
@@ -221,10 +221,9 @@ def test_the_first_command_reaches_the_accuracy_the_readme_states(tmp_path):
         timeout=1800,
     )
     assert result.returncode == 0, result.stderr
-    accuracy = json.loads((tmp_path / "run" / "results.json").read_text())["test_accuracy"]
-    assert accuracy >= 0.85  # on any machine: one epoch of the fast recipe learns
-    if torch.backends.cpu.get_cpu_capability() == kernels:  # other kernels round differently
-        assert f"{100 * accuracy:.2f}" == claimed
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    percent = 100 * results["test_accuracy"]
+    assert float(low) <= percent <= float(high), f"{percent:.2f} % on {results['machine']}"
 
 
 def test_the_readmes_runs_and_comparison_train_data_that_is_here_offline(tmp_path):

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from mnist_dist import rundir
+from mnist_dist.config import ConfigError
 
 TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64")
 
@@ -24,6 +25,16 @@ def test_jobs_that_differ_only_in_keys_left_out_of_the_name_get_their_own_direct
     assert (first, again, other) == ("ddp_epochs=1", "ddp_epochs=1_2", "ddp_epochs=1_3")
     assert rundir.unique_subdir(sweep, "ddp_epochs=1", 1) == "ddp_epochs=1_2"  # resolved again: the same
     assert rundir.made_here(tmp_path / "sweep" / "ddp_epochs=1_2")
+
+
+def test_the_lock_is_held_while_the_run_lives_and_leaves_with_it(tmp_path):
+    with rundir.owned(tmp_path):
+        assert (tmp_path / rundir.LOCK).is_file()
+        with pytest.raises(ConfigError, match="is in use by another run that is still alive"), rundir.owned(tmp_path):
+            pass
+    assert not (tmp_path / rundir.LOCK).exists()  # a finished run's directory holds only what the run wrote
+    with rundir.owned(tmp_path):  # and the next run takes it
+        pass
 
 
 @pytest.mark.slow

@@ -87,6 +87,20 @@ def test_every_function_is_shorter_than_60_lines():
     assert lengths[longest] < LONGEST, f"{longest} has {lengths[longest]} lines"
 
 
+def test_every_launch_in_the_package_says_its_command_lines_overrides():
+    # Without them a resume counts as set only what differs from the defaults (launch's docstring): a
+    # command's batch_size=64, the default, would go unseen against a checkpoint's 32.
+    package = Path(mnist_dist.__file__).parent
+    calls = [
+        (path.relative_to(package), node)
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "launch"
+    ]
+    assert calls
+    assert all(len(node.args) + len(node.keywords) == 3 for _, node in calls), [str(path) for path, _ in calls]
+
+
 @dataclass
 class ToyMode:
     name: str = "toy"

@@ -12,7 +12,8 @@ outputs/compare/<date>/<time>/, beside the run directories (``<mode>`` for round
 after it), and exits 1 if the modes disagree. Loss and accuracy come from round 1: runs are
 deterministic, so the other rounds only time the same computation again. A warning line says when
 the throughput column is not to be trusted: a spread over 10 % or a load average above the cores.
-It says the number of runs before the first, and the time the rest will take once the first is done. A run
+Before the first run it says how many there are and about how long they take (their steps at the cost of one,
+from a 5-step probe), and once the first is done the time the rest take at its pace. A run
 that Ctrl-C or an error stops is removed: only complete runs stay. ``-h``: this text.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from mnist_dist.errors import DataError, exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
@@ -47,7 +48,7 @@ from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.modes import world_size
 from mnist_dist.step import TrainingDiverged
 from mnist_dist.tensorboard import read_scalars
-from mnist_dist.tools import compare_options
+from mnist_dist.tools import compare_estimate, compare_options
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -200,7 +201,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
         message = describe_hydra_error(error, overrides)
-        if "; valid keys: " in message:
+        if "valid keys: " in message:
             message += f", {compare_options.OWN_KEYS} (compare's own)"
         sys.exit(f"error: {message}")
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
@@ -269,7 +270,7 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
     (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
     runs = len(configs) * repeats
-    print(f"compare: {len(configs)} modes x {repeats} rounds = {runs} runs; the time left is said after the first")
+    print(compare_estimate.up_front(configs, repeats), flush=True)
     for round_ in range(1, repeats + 1):
         for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
@@ -293,4 +294,5 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
 
 if __name__ == "__main__":
     raise_on_interrupt()  # Ctrl-C and SIGTERM: the workers are stopped, then one line
-    sys.exit(main(sys.argv[1:]))
+    with command():  # once it has its status, no interpreter teardown for a late Ctrl-C to land in
+        sys.exit(main(sys.argv[1:]))

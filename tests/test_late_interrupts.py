@@ -1,0 +1,103 @@
+"""Ctrl-C that comes late: a second one while the first is being answered, or one as a finished run exits.
+Each is one line and the status of an interrupt, never a death by the signal with nothing said (the
+interpreter puts Ctrl-C back to its default while it tears itself down, which takes seconds with torch)."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import HANG_S
+
+from mnist_dist.tools.docs_numbers import ROOT
+
+TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal; a suite started with `&` ignores it
+
+
+def _start(tmp_path, tiny_root, *overrides, launcher=(sys.executable, "-m", "mnist_dist")):
+    where = [f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}/run"]
+    return subprocess.Popen(
+        [*launcher, *where, *TINY, *overrides],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+        start_new_session=True,
+    )
+
+
+def _ctrl_c_until_it_exits(process, after: str, delay_s: float = 0.0) -> tuple[int, list[str]]:
+    """Reads stderr up to a line that holds ``after``, then ``delay_s`` later presses Ctrl-C every 20 ms until the
+    command has exited; its status and every line it wrote."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line.rstrip("\n"))
+        if after in line:
+            break
+    assert lines and after in lines[-1], lines
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=delay_s)
+    while process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGINT)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.02)
+    lines += process.stderr.read().splitlines()
+    process.wait(timeout=HANG_S)
+    return process.returncode, lines
+
+
+SLOW = ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.05", "epochs=50"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_again_after_the_interrupted_line_is_one_line_and_130(tiny_root, tmp_path):
+    process = _start(tmp_path, tiny_root, *SLOW)
+    for line in process.stderr:
+        if "INFO epoch 1:" in line:  # the first checkpoint is written
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    # 1 s on: the interpreter's teardown, where Ctrl-C had its default action again (seconds on a busy machine)
+    code, lines = _ctrl_c_until_it_exits(process, "interrupted", delay_s=1.0)
+    said = [line for line in lines if line.startswith("interrupted")]
+    # not -2, a death by the second Ctrl-C with the documented line unsaid
+    assert code == 130 and lines[-1] == said[-1] and "Traceback" not in "\n".join(lines), lines
+    assert said[0].startswith(f"interrupted; the last complete checkpoint is {tmp_path}/run/checkpoint.pt;"), lines
+    assert said[1:] in ([], ["interrupted again: stopped at once"]), lines
+
+
+@pytest.mark.slow
+def test_ctrl_c_as_a_finished_run_exits_says_the_run_is_complete(tiny_root, tmp_path):
+    process = _start(tmp_path, tiny_root, "epochs=1")
+    code, lines = _ctrl_c_until_it_exits(process, "INFO run directory: ")  # the run's last line
+    assert code == 130 and "Traceback" not in "\n".join(lines), lines  # not -2, with nothing said
+    assert lines[-1] == f"interrupted as the run ended; it is complete in {tmp_path}/run", lines
+    assert (tmp_path / "run" / "results.json").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_traceback(tiny_root, tmp_path):
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "mnist_dist")
+    process = _start(tmp_path, tiny_root, "mode=ddp", "gpus=2", *SLOW, launcher=torchrun)
+    for line in process.stderr:
+        if "INFO epoch 1:" in line:
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    lines = process.communicate(timeout=HANG_S)[1].splitlines()
+    ours = f"interrupted; the last complete checkpoint is {tmp_path}/run/checkpoint.pt; go on with: "
+    assert [line for line in lines if line.startswith(ours)] == [f"{ours}python -m mnist_dist resume={tmp_path}/run"]
+    # torchrun's agent reports the Ctrl-C after ours, as troubleshooting.md and operations.md say
+    troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
+    (quoted,) = re.findall(r"\| `([^`]*SignalException[^`]*)` after a 35-line traceback", troubleshooting)
+    assert re.fullmatch(re.escape(quoted).replace("<pid>", r"\d+"), lines[-1]), lines[-12:]
+    assert process.returncode == 1 and "got signal: 2`" in (ROOT / "docs" / "operations.md").read_text()
