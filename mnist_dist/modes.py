@@ -86,6 +86,8 @@ class DDPMode(ReplicatedMode):
     name: str = "ddp"
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
     compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
+    # On gloo, seconds a backward waits for the other ranks before it fails in one line (they ran other steps)
+    peer_wait_s: float = 60.0
 
 
 class Dtype(Enum):
@@ -199,6 +201,7 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         find_unused_parameters=mode.find_unused_parameters,
         compress_bf16=mode.compress_bf16,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
+        peer_wait_s=mode.peer_wait_s,
     )
     wrapped.clock = BackwardClock(device)  # its backward counters, as torch DDP's (the step timer reads them)
     return wrapped

@@ -191,7 +191,7 @@ def test_our_ddp_stamps_only_the_steps_the_step_timer_samples(one_rank, monkeypa
     monkeypatch.setattr(timing.StreamClock, "now", lambda self: stamped.append(1) or 0.0)
     model = wrap_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), DDPMode(), torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    timer = StepTimer(torch.device("cpu"), model, optimizer)
+    timer = StepTimer([torch.device("cpu")], model, optimizer)
     counts = []
     for sample in (False, True, False):
         timer.start(sample)

@@ -141,7 +141,7 @@ def timed_all_reduce(monkeypatch):
             busy_until[0] = max(time.monotonic(), busy_until[0]) + 0.3 * tensor.numel() * 4 / 2**20
             self.done = busy_until[0]
 
-        def wait(self):
+        def wait(self, timeout=None):
             time.sleep(max(0.0, self.done - time.monotonic()))
             return True
 

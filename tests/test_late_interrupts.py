@@ -81,7 +81,10 @@ def test_ctrl_c_as_a_finished_run_exits_says_the_run_is_complete(tiny_root, tmp_
     process = _start(tmp_path, tiny_root, "epochs=1")
     code, lines = _ctrl_c_until_it_exits(process, "INFO run directory: ")  # the run's last line
     assert code == 130 and "Traceback" not in "\n".join(lines), lines  # not -2, with nothing said
-    assert lines[-1] == f"interrupted as the run ended; it is complete in {tmp_path}/run", lines
+    # The presses go on every 20 ms until the process is gone: on a loaded machine a second one can follow.
+    said = [line for line in lines if line.startswith("interrupted")]
+    assert said[0] == f"interrupted as the run ended; it is complete in {tmp_path}/run", lines
+    assert said[1:] in ([], ["interrupted again: stopped at once"]), lines
     assert (tmp_path / "run" / "results.json").is_file()
 
 

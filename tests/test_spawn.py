@@ -236,7 +236,15 @@ def test_a_killed_forkserver_is_named_and_leaves_no_worker(tmp_path):
 def test_a_training_rank_that_stops_responding_is_named_with_its_step(make_config, tmp_path):
     pids, run = tmp_path / "pids", tmp_path / "run"  # Hydra would have created the run directory
     pids.mkdir(), run.mkdir()
-    settings = ["mode=ddp", "gpus=2", "device=cpu", "batch_size=32", "epochs=1", "dist.timeout_s=5"]
+    settings = [
+        "mode=ddp",
+        "gpus=2",
+        "device=cpu",
+        "batch_size=32",
+        "epochs=1",
+        "dist.timeout_s=5",
+        "mode.peer_wait_s=5",
+    ]
     settings += ["model._target_=failing_model.FailingConvNet", "+model.stop=true", f"+model.pid_dir={pids}"]
     with pytest.raises(WorkerFailed) as error:
         launch(make_config(*settings), run)

@@ -12,8 +12,8 @@ SCRIPT = Path(__file__).parent / "uneven_script.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 CAUSE = (
     "rank 1 waited {wait} s for the other ranks in the all-reduce of its backward pass 4, and they never joined "
-    "it: the ranks ran different numbers of steps (a data set that does not split evenly?). Give every rank the "
-    "same number of batches, or train inside `with model.join():`"
+    "it: the ranks ran different numbers of steps (a data set that does not split evenly?), or one is stuck. Give "
+    "every rank the same number of batches, or train inside `with model.join():`"
 )
 
 

@@ -13,6 +13,7 @@ import time
 from multiprocessing.connection import wait
 
 _TIMED_OUT = re.compile(r"time[ds]? ?out", re.IGNORECASE)  # gloo: "Timed out waiting", NCCL: "timeout"
+_NEVER_JOINED = "and they never joined it"  # our DistributedDataParallel's wait for the other ranks (ddp.py)
 
 
 class Beat(ctypes.Structure):
@@ -56,7 +57,9 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             rank = silent[0]
             raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{log(rank)}")
         _, rank, reason = reported[0]
-        stuck = _unresponsive(workers, beats) if _TIMED_OUT.search(reason) else None
+        stuck = _unresponsive(workers, beats) if _TIMED_OUT.search(reason) or _NEVER_JOINED in reason else None
+        if stuck is not None and not _TIMED_OUT.search(reason) and not _stopped(workers[stuck].pid):
+            stuck = None  # our DDP's wait for ranks that are alive: they ran other steps, as its line says
         if stuck is not None:
             where, stopped = _last_seen(beats[stuck]), _stopped(workers[stuck].pid)
             state = "; its process is stopped, e.g. by SIGSTOP" if stopped else ""

@@ -384,8 +384,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 f"rank {dist.get_rank()} waited {self._peer_wait.total_seconds():g} s for the other ranks in the "
                 f"all-reduce of its backward pass {self._backwards + 1}, and they never joined it: the ranks ran "
-                "different numbers of steps (a data set that does not split evenly?). Give every rank the same "
-                "number of batches, or train inside `with model.join():`"
+                "different numbers of steps (a data set that does not split evenly?), or one is stuck. Give every "
+                "rank the same number of batches, or train inside `with model.join():`"
             ) from None
 
     # join(): uneven inputs, with torch DDP's semantics. torch's Join runs the protocol: a rank out of inputs

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from mnist_dist import files
 from mnist_dist.build import instantiate_model
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import wrap_model
@@ -44,7 +45,7 @@ def ranks(worker, device_type: str, work: Path, start_method: str = "spawn", wor
 
 def _report(out: str, report: dict) -> None:
     if dist.get_rank() == 0:
-        Path(out, "report.json").write_text(json.dumps(report))
+        files.write_text(Path(out, "report.json"), json.dumps(report))
     dist.barrier()  # leave together
 
 
@@ -206,7 +207,7 @@ def nccl_binding(device_type: str) -> dict:
 
 
 def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
-    Path(out, "report.json").write_text(json.dumps(nccl_binding(device_type)))
+    files.write_text(Path(out, "report.json"), json.dumps(nccl_binding(device_type)))
 
 
 def nccl_row(report: dict) -> Row:
