@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -122,3 +123,20 @@ def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
         command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
         tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
     return [task.wait(timeout=300) for task in tasks]
+
+
+def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+    """torch's parallel_apply as far as autocast goes, with the CPU standing in for CUDA: one thread per
+    replica, which re-enters autocast with the caller's on/off and no dtype (the dtype is thread-local)."""
+    enabled, results = torch.is_autocast_enabled("cpu"), {}
+
+    def worker(i, module, args):
+        with torch.amp.autocast("cpu", enabled=enabled):
+            results[i] = module(*args)
+
+    threads = [threading.Thread(target=worker, args=(i, m, a)) for i, (m, a) in enumerate(zip(modules, inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [results[i] for i in range(len(modules))]

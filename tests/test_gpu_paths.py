@@ -5,11 +5,11 @@ import importlib
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import threaded_parallel_apply
 from torch import nn
 
 from mnist_dist import metrics, resume
@@ -49,23 +49,6 @@ def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
     assert {p.device for p in wrapped.parameters()} == {torch.device("cpu")}
     x = torch.randn(8, 1, 28, 28)
     torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
-
-
-def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
-    """torch's parallel_apply as far as autocast goes, with the CPU standing in for CUDA: one thread per
-    replica, which re-enters autocast with the caller's on/off and no dtype (the dtype is thread-local)."""
-    enabled, results = torch.is_autocast_enabled("cpu"), {}
-
-    def worker(i, module, args):
-        with torch.amp.autocast("cpu", enabled=enabled):
-            results[i] = module(*args)
-
-    threads = [threading.Thread(target=worker, args=(i, m, a)) for i, (m, a) in enumerate(zip(modules, inputs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return [results[i] for i in range(len(modules))]
 
 
 def test_a_new_thread_does_not_inherit_the_autocast_dtype():

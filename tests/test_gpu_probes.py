@@ -1,11 +1,11 @@
 """Each row of the GPU check fails when its bug is put back, and passes on today's code: the probes run on a
 CPU, with the CUDA part faked (threads for parallel_apply, a cuDNN that honours the TF32 flag, stubbed NCCL)."""
 
-import threading
 import time
 
 import pytest
 import torch
+from helpers import threaded_parallel_apply
 from torch import nn
 
 from mnist_dist import step, topology
@@ -15,23 +15,6 @@ from mnist_dist.parallel.ddp import Bucket
 from mnist_dist.tools import gpu_probes, gpu_wrappers
 
 CPU = torch.device("cpu")
-
-
-def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
-    """torch's parallel_apply as far as autocast goes, the CPU standing in for CUDA: a thread per replica,
-    which re-enters autocast with the caller's on/off and no dtype (the dtype is thread-local)."""
-    enabled, results = torch.is_autocast_enabled("cpu"), {}
-
-    def worker(i, module, args):
-        with torch.autocast("cpu", enabled=enabled):
-            results[i] = module(*args)
-
-    threads = [threading.Thread(target=worker, args=(i, m, a)) for i, (m, a) in enumerate(zip(modules, inputs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return [results[i] for i in range(len(modules))]
 
 
 @pytest.fixture
