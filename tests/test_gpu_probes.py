@@ -32,6 +32,23 @@ def test_replica_dtype_row_passes_and_sees_raw_torchs_bug(threads_for_devices, n
     assert row.figure == f"{wrapper}: float16 in 2 threads; raw torch: bfloat16 in 2 threads"
 
 
+def one_thread_after_another(modules, inputs, kwargs_tup=None, devices=None):
+    """threaded_parallel_apply with each thread joined before the next starts: a finished thread's ident
+    is given to the next one (CPython reuses them), so the probe must tell threads apart by more."""
+    outputs = []
+    for module, args in zip(modules, inputs):
+        outputs += threaded_parallel_apply([module], [args])
+    return outputs
+
+
+def test_replica_dtype_row_counts_threads_that_ran_one_after_another(monkeypatch):
+    monkeypatch.setattr(our_dp, "parallel_apply", one_thread_after_another)
+    monkeypatch.setattr(gpu_probes.torch_data_parallel, "parallel_apply", one_thread_after_another)
+    for _ in range(5):  # each try reuses the ident with some chance; five make the old count fail
+        row = gpu_probes.replica_dtype("dp_functional", CPU, torch.float16)
+        assert row.figure == "FunctionalDataParallel: float16 in 2 threads; raw torch: bfloat16 in 2 threads"
+
+
 @pytest.mark.parametrize("name", ["dp", "dp_functional"])
 def test_replica_dtype_row_fails_with_the_dtype_lost_in_the_threads(threads_for_devices, monkeypatch, name):
     monkeypatch.setattr(our_dp, "in_callers_autocast", lambda replicas, device_type: replicas)  # the old code

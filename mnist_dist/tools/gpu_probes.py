@@ -61,21 +61,22 @@ def timed(probe, *args) -> list[Row]:
 
 
 class ThreadProbe(nn.Module):
-    """Records the dtype its linear layer computes in and the thread it ran in (replicas share the list)."""
+    """Records the dtype its linear layer computes in and the thread it ran in (replicas share the list).
+    It keeps the thread itself: an ident is handed on to the next thread once its owner has ended."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
-        self.seen: list[tuple[int, torch.dtype]] = []
+        self.seen: list[tuple[threading.Thread, torch.dtype]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        self.seen.append((threading.get_ident(), y.dtype))
+        self.seen.append((threading.current_thread(), y.dtype))
         return y
 
 
-def _dtypes(seen: list[tuple[int, torch.dtype]]) -> str:
-    threads = {ident for ident, _ in seen}
+def _dtypes(seen: list[tuple[threading.Thread, torch.dtype]]) -> str:
+    threads = {thread for thread, _ in seen}
     names = sorted({str(dtype).removeprefix("torch.") for _, dtype in seen})
     return f"{'/'.join(names)} in {len(threads)} threads"
 
