@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from mnist_dist.errors import command, exit_on_interrupt
+from mnist_dist.operations.errors import command, exit_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # until main(): the imports below (torch, Hydra: seconds) and Hydra's composition
@@ -31,11 +31,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from mnist_dist import checkpoint, preemption, rundir
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, refuse_unknown_keys, validate
-from mnist_dist.environment import launched_rank, launcher
-from mnist_dist.errors import DataError, describe_os_error, interrupted, last_resort, raise_on_interrupt, rank_log
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.operations import checkpoint, preemption, rundir
+from mnist_dist.operations.environment import launched_rank, launcher
+from mnist_dist.operations.errors import (
+    DataError,
+    describe_os_error,
+    interrupted,
+    last_resort,
+    raise_on_interrupt,
+    rank_log,
+)
 from mnist_dist.step import TrainingDiverged
 
 
@@ -102,7 +109,7 @@ def _interrupted(written: list[Path], started: float) -> str:
     if results.is_file() and results.stat().st_mtime >= started:
         return f"interrupted as the run ended; it is complete in {written[0]}"
     saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
-    if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.compatibility)
+    if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.operations.compatibility)
         again = shlex.join(["python", "-m", "mnist_dist", f"resume={saved[0].parent}"])
         return f"interrupted; the last complete checkpoint is {saved[0]}; go on with: {again}"
     return "interrupted before the first checkpoint; nothing was saved"

@@ -25,8 +25,8 @@ from hydra.errors import MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, world_size
+from mnist_dist.operations.errors import ConfigError
 
 __all__ = [
     "Amp",

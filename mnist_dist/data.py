@@ -3,22 +3,30 @@
 `prepare` runs once in the launching process, before any worker exists: it fetches, decompresses and
 validates the four IDX files under torchvision's own layout (<root>/<ClassName>/raw), so workers
 only ever call `load_split`, which needs no network and trusts the files. Which sources to try, and
-what makes a file valid, are decided here; fetch.py gets one file from one source.
+what makes a file valid, are decided here; operations/fetch.py gets one file from one source.
+
+Then which samples each rank sees: the same global batches in every mode, split across ranks. A global
+batch is a slice of one seeded permutation per epoch; rank r takes the r-th of its ``world_size`` equal
+parts. So single mode and N ranks see identical global batches, and averaging the ranks' gradients gives
+exactly the single-process gradient of that batch (the property the equivalence tests check). The last
+incomplete global batch is dropped so that every rank and mode takes the same number of equal steps.
 """
+
+from __future__ import annotations
 
 import logging
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 
-from mnist_dist.errors import DataError
-from mnist_dist.fetch import fetch_file, fetched_here
-from mnist_dist.files import open_regular
+from mnist_dist.operations.errors import DataError
+from mnist_dist.operations.fetch import fetch_file, fetched_here
+from mnist_dist.operations.files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +233,27 @@ def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
     prefix = "train" if train else "t10k"
     with open(Path(raw_dir) / f"{prefix}-images-idx3-ubyte", "rb") as f:
         return struct.unpack(">I", f.read(8)[4:])[0]
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of epoch ``epoch``: a function of (seed, epoch) alone, identical on every rank."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
+def rank_batches(order: torch.Tensor, global_batch: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """This rank's indices for each global batch of ``order``, disjoint from every other rank's."""
+    per_rank = global_batch // world_size
+    for step in range(steps_per_epoch(len(order), global_batch)):
+        start = step * global_batch + rank * per_rank
+        yield order[start : start + per_rank]
+
+
+def eval_shard(num_samples: int, rank: int, world_size: int) -> slice:
+    """A contiguous share of the test set with no padding, so summed counts cover each sample once
+    (DistributedSampler pads by repeating samples, which skews accuracy: pytorch/pytorch#25162)."""
+    return slice(num_samples * rank // world_size, num_samples * (rank + 1) // world_size)

@@ -4,7 +4,7 @@ Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table
 
 - one-process modes: the worker runs in this process;
 - one process per device (ddp modes): spawned processes, rendezvous on 127.0.0.1 at a free port;
-- under torchrun or srun (mnist_dist.environment.launcher): this process *is* a worker; local rank 0 prepares
+- under torchrun or srun (mnist_dist.operations.environment.launcher): this process *is* a worker; local rank 0 prepares
   the data while the others wait at a barrier. This is how the app runs across nodes.
 
 A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.config import Config, ConfigError, data_root, validate
-from mnist_dist.console import config_line
 from mnist_dist.data import prepare, raw_dir
-from mnist_dist.environment import launcher
 from mnist_dist.modes import MODES, Processes, world_size
+from mnist_dist.operations import checkpoint, compatibility, guards, preemption, rundir
+from mnist_dist.operations.console import config_line
+from mnist_dist.operations.environment import launcher
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
 from mnist_dist.topology import Topology, from_env, resolve, setup_process

@@ -1,7 +1,7 @@
 """Honest numbers: synchronised timing without warm-up, the wrappers' own counters, global reductions.
 
 Throughput, the training stopwatch and the step-time split read the compute stream's clock, skip the
-warm-up steps and stay out of the step's code; what they measure is logged by mnist_dist/tensorboard.py.
+warm-up steps and stay out of the step's code; what they measure is logged by mnist_dist/operations/tensorboard.py.
 """
 
 from __future__ import annotations

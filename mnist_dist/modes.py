@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.errors import ConfigError
+from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
 from mnist_dist.parallel.fsdp import shard
 from mnist_dist.parallel.syncbn import convert_sync_batchnorm

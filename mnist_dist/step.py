@@ -1,21 +1,21 @@
 """What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's
 share of the global batch (with gradient accumulation), exact sharded evaluation, and the check that
-stops a diverged run. The worker's loop (mnist_dist/train.py), the pre-flight check and the benchmarks
+stops a diverged run; and amp for one device (autocast around forward and loss, a GradScaler for fp16).
+The worker's loop (mnist_dist/train.py), the pre-flight check and the benchmarks
 call them; so do the tests.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mnist_dist.data import eval_shard
 from mnist_dist.metrics import all_reduce
 from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap
-from mnist_dist.precision import Precision
-from mnist_dist.sharding import eval_shard
 
 
 def train_step(
@@ -123,3 +123,19 @@ def first_non_finite(tensors: dict) -> str | None:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
             return name
     return None
+
+
+DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """``amp=off|bf16|fp16`` on ``device``. bf16 keeps fp32's exponent range, so it needs no loss
+    scaling; fp16 does, or small gradients underflow to zero."""
+
+    def __init__(self, amp: str, device: torch.device) -> None:
+        self.device_type = device.type
+        self.dtype = DTYPES[amp]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

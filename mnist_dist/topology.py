@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 import mnist_dist
-from mnist_dist import slurm
 from mnist_dist.config import Config, check_batch_divides
-from mnist_dist.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
-from mnist_dist.errors import ConfigError
 from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
+from mnist_dist.operations import slurm
+from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
+from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel.spawn import heartbeat, job_store
 
 

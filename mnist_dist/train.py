@@ -21,12 +21,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import checkpoint, preemption, profiling
-from mnist_dist.build import instantiate_model, make_scheduler
 from mnist_dist.config import Config
-from mnist_dist.console import Progress
-from mnist_dist.data import load_split, to_device_tensors
-from mnist_dist.errors import FILE_ONLY, NoFollowFileHandler, console_handler, log_thread_errors
+from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
 from mnist_dist.metrics import (
     StepTimer,
     Stopwatch,
@@ -36,13 +32,15 @@ from mnist_dist.metrics import (
     job_images_per_s,
     state_bytes,
 )
+from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.precision import Precision
-from mnist_dist.results import finish
-from mnist_dist.resume import diverged_advice, restore, save_checkpoint
-from mnist_dist.sharding import epoch_order, rank_batches, steps_per_epoch
-from mnist_dist.step import TrainingDiverged, check_finite, evaluate_as_saved, train_step
-from mnist_dist.tensorboard import Scalars
+from mnist_dist.operations import checkpoint, preemption, profiling
+from mnist_dist.operations.console import Progress
+from mnist_dist.operations.errors import FILE_ONLY, NoFollowFileHandler, console_handler, log_thread_errors
+from mnist_dist.operations.results import finish
+from mnist_dist.operations.resume import diverged_advice, restore, save_checkpoint
+from mnist_dist.operations.tensorboard import Scalars
+from mnist_dist.step import Precision, TrainingDiverged, check_finite, evaluate_as_saved, train_step
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")
@@ -226,7 +224,7 @@ def run_epoch(run: Run, epoch: int) -> None:
 
 def between_steps(run: Run, epoch: int, position: int) -> None:
     """After step ``position`` of ``epoch``, outside the step: the profiler's step, the mid-epoch
-    checkpoint, and a stop that a scheduler asked for (mnist_dist/preemption.py)."""
+    checkpoint, and a stop that a scheduler asked for (mnist_dist/operations/preemption.py)."""
     if run.profiler:
         run.profiler.step()
     every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)

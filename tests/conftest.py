@@ -67,7 +67,7 @@ def cli_in_process(monkeypatch):
     """``python -m mnist_dist <argv>``'s main() in this process (no torch import to pay): returns what it
     exits with. Its signal handlers are the command's: put back afterwards."""
     from mnist_dist import __main__ as command
-    from mnist_dist.errors import STOP_SIGNALS
+    from mnist_dist.operations.errors import STOP_SIGNALS
 
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 

@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist.operations.tensorboard import read_scalars, tb_dir
 from mnist_dist.parallel import init_process_group, spawn
-from mnist_dist.tensorboard import read_scalars, tb_dir
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 # How long a test waits for a command before calling it hung: what a ddp run on tiny data may take on a
@@ -102,7 +102,7 @@ MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "memory_gib
 
 
 def assert_machine_fields(info: dict) -> None:
-    """``info`` is mnist_dist.machine.describe(): every field present and non-empty."""
+    """``info`` is mnist_dist.operations.machine.describe(): every field present and non-empty."""
     for field in MACHINE_FIELDS:
         assert info[field] not in ("", None), field
     assert isinstance(info["cpu_flags"], list)

@@ -11,8 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel, plain_state_dict
-from mnist_dist.precision import Precision
-from mnist_dist.step import train_step
+from mnist_dist.step import Precision, train_step
 
 STEPS, GLOBAL_BATCH = 5, 32
 

@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from mnist_dist.build import ModelError, instantiate_model
-from mnist_dist.model import ConvNet
+from mnist_dist.model import ConvNet, ModelError, instantiate_model
 
 
 def test_the_default_model_builds():

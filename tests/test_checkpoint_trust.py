@@ -14,9 +14,9 @@ import torch
 import yaml
 from helpers import compose_config
 
-from mnist_dist import checkpoint
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.operations import checkpoint
 from mnist_dist.step import TrainingDiverged
 
 # 640 tiny images at batch 32: 20 steps an epoch

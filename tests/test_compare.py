@@ -6,7 +6,7 @@ import statistics
 import pytest
 from helpers import assert_machine_fields
 
-from mnist_dist.console import config_line
+from mnist_dist.operations.console import config_line
 from mnist_dist.tools import compare
 
 

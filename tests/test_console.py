@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from mnist_dist.console import Progress, config_line, summary_line
 from mnist_dist.launch import launch
+from mnist_dist.operations.console import Progress, config_line, summary_line
 
 RUN = [sys.executable, "-m", "mnist_dist", "epochs=1", "log_every=5", "data.mirrors=[]"]
 

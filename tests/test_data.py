@@ -1,4 +1,4 @@
-"""Tests for mnist_dist.data and mnist_dist.fetch: tiny IDX files written here, served from local dirs and
+"""Tests for mnist_dist.data and mnist_dist.operations.fetch: tiny IDX files written here, served from local dirs and
 loopback HTTP."""
 
 import functools
@@ -19,8 +19,9 @@ import pytest
 import torch
 import torchvision
 
-from mnist_dist import data, fetch
-from mnist_dist.errors import DataError
+from mnist_dist import data
+from mnist_dist.operations import fetch
+from mnist_dist.operations.errors import DataError
 
 NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")
@@ -108,7 +109,7 @@ def serve():
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.INFO, logger="mnist_dist.data")
-    caplog.set_level(logging.INFO, logger="mnist_dist.fetch")  # a download's progress lines
+    caplog.set_level(logging.INFO, logger="mnist_dist.operations.fetch")  # a download's progress lines
 
 
 # --- validation -------------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def test_mnist_ddp_with_more_ranks_than_gpus_says_so_in_one_line(launched_by, ti
 
 
 def test_slurm_sbatch_says_when_the_ranks_stop_as_preemption_does():
-    # mnist_dist/preemption.py: a vote after every step, read one step later.
+    # mnist_dist/operations/preemption.py: a vote after every step, read one step later.
     comment = " ".join(line.lstrip("# ") for line in (ROOT / "examples" / "slurm.sbatch").read_text().splitlines())
     assert "log_every" not in comment and "vote after every step" in comment
 

@@ -1,4 +1,4 @@
-"""Issue 38: one atomic-write primitive for every file written whole (mnist_dist/files.py), and files that
+"""Issue 38: one atomic-write primitive for every file written whole (mnist_dist/operations/files.py), and files that
 are opened without following a link or waiting on a FIFO. Each test failed on commit ee05943."""
 
 import os
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import mnist_dist
-from mnist_dist import data, files
-from mnist_dist.errors import DataError
+from mnist_dist import data
+from mnist_dist.operations import files
+from mnist_dist.operations.errors import DataError
 
 PACKAGE = Path(mnist_dist.__file__).parent
 # What writes a whole file by itself instead of through files.atomic: pathlib's writers, open() for
@@ -32,7 +33,7 @@ def test_every_file_written_whole_goes_through_the_one_primitive():
             if SECOND_MECHANISM.search(code):
                 found.append(f"{path.relative_to(PACKAGE)}: {line.strip()}")
     # save_kept renames the older checkpoints within the run directory (no new bytes): the one exception
-    renames = {"checkpoint.py: os.replace(source, dest)"}
+    renames = {"operations/checkpoint.py: os.replace(source, dest)"}
     assert [f for f in found if f.split("  #")[0] not in renames] == []
 
 

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from helpers import threaded_parallel_apply
 from torch import nn
 
-from mnist_dist import metrics, resume
+from mnist_dist import metrics
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.operations import resume
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.tools import baselines, bench

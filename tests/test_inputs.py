@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from mnist_dist import environment
 from mnist_dist.config import ConfigError, validate
+from mnist_dist.operations import environment
 from mnist_dist.topology import from_env
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import HANG_S, scalars, srun
 
-from mnist_dist import checkpoint
-from mnist_dist.preemption import REQUEUE
-from mnist_dist.tensorboard import tb_dir
+from mnist_dist.operations import checkpoint
+from mnist_dist.operations.preemption import REQUEUE
+from mnist_dist.operations.tensorboard import tb_dir
 from mnist_dist.tools import plot_trace
 
 ROOT = Path(__file__).parent.parent

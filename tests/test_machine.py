@@ -4,8 +4,8 @@ import json
 
 from helpers import assert_machine_fields
 
-from mnist_dist import machine
 from mnist_dist.launch import launch
+from mnist_dist.operations import machine
 
 CPUINFO = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8480+

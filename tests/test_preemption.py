@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks, srun
 
-from mnist_dist import checkpoint, preemption
+from mnist_dist.operations import checkpoint, preemption
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ BLOCKED = """
 import socket, sys
 from datetime import timedelta
 import torch.distributed as dist
-from mnist_dist import preemption
+from mnist_dist.operations import preemption
 preemption.install()
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))

@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import HANG_S, compose_config, run_ranks
 
-from mnist_dist import checkpoint
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch
+from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
@@ -551,8 +551,8 @@ def test_non_finite_rates_and_timeouts_are_refused(make_config, override, messag
 
 
 def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, monkeypatch):
-    from mnist_dist import guards
     from mnist_dist import launch as launcher
+    from mnist_dist.operations import guards
 
     def spawn(*args, **kwargs):
         raise AssertionError("64 workers were started")
@@ -567,7 +567,7 @@ def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, m
 
 
 def test_more_cpu_workers_than_cores_warn_and_still_run(make_config, monkeypatch, caplog):
-    from mnist_dist import guards
+    from mnist_dist.operations import guards
     from mnist_dist.topology import resolve
 
     monkeypatch.setattr(guards.os, "cpu_count", lambda: 2)

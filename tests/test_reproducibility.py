@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import scalars
 
-from mnist_dist import checkpoint
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.operations import checkpoint
 from mnist_dist.tools.compare import compare
 
 SHORT = ("epochs=3", "batch_size=64", "log_every=1")

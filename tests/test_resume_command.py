@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import HANG_S, compose_config
 
-from mnist_dist.build import make_scheduler
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.model import make_scheduler
 
 
 @pytest.mark.parametrize("total_steps", [1, 2, 3, 4, 5, 8, 10])

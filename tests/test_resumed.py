@@ -6,9 +6,10 @@ import json
 import pytest
 from helpers import compose_config, scalars
 
-from mnist_dist import checkpoint, train
+from mnist_dist import train
 from mnist_dist.launch import launch
-from mnist_dist.tensorboard import read_scalars
+from mnist_dist.operations import checkpoint
+from mnist_dist.operations.tensorboard import read_scalars
 
 STEPS = (
     *("epochs=2", "batch_size=32", "log_every=2", "eval_every_steps=5", "checkpoint_every_steps=7"),

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import compose_config
 
-from mnist_dist import checkpoint
-from mnist_dist.errors import describe_os_error, last_resort
 from mnist_dist.launch import launch
+from mnist_dist.operations import checkpoint
+from mnist_dist.operations.errors import describe_os_error, last_resort
 
 SHORT = ("epochs=1", "batch_size=32")
 PRECIOUS = "someone else's file\n"

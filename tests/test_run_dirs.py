@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from mnist_dist import rundir
 from mnist_dist.config import ConfigError
+from mnist_dist.operations import rundir
 
 TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64")
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import compose_config
 
-from mnist_dist import checkpoint
 from mnist_dist.config import ConfigError
-from mnist_dist.errors import NoFollowFileHandler, log_thread_errors
 from mnist_dist.launch import launch
-from mnist_dist.tensorboard import Scalars
+from mnist_dist.operations import checkpoint
+from mnist_dist.operations.errors import NoFollowFileHandler, log_thread_errors
+from mnist_dist.operations.tensorboard import Scalars
 
 TINY = ("data.mirrors=[]", "progress=false", "batch_size=32")
 

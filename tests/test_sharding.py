@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mnist_dist.sharding import epoch_order, eval_shard, rank_batches
+from mnist_dist.data import epoch_order, eval_shard, rank_batches
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

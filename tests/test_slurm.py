@@ -7,8 +7,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from mnist_dist import environment, topology
-from mnist_dist.errors import ConfigError
+from mnist_dist import topology
+from mnist_dist.operations import environment
+from mnist_dist.operations.errors import ConfigError
 
 SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID")
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -5,8 +5,7 @@ import torch
 from helpers import compose_config, scalars
 
 from mnist_dist.launch import launch
-from mnist_dist.precision import Precision
-from mnist_dist.step import train_step
+from mnist_dist.step import Precision, train_step
 
 STEPS = ("epochs=1", "batch_size=32", "log_every=1", "model.dropout=false")
 

@@ -30,13 +30,12 @@ def test_the_parallel_library_imports_nothing_of_the_app():
     assert [m for m in imported if m != "mnist_dist" and not m.startswith("mnist_dist.parallel")] == []
 
 
-# What `python -m mnist_dist` runs. A tool (a benchmark, a comparison, a check, docs tooling) goes to
-# mnist_dist/tools/, a wrapper to mnist_dist/parallel/.
+# What `python -m mnist_dist` runs, read in this order. The run's operations (checkpoints and resume, run
+# directories, preemption, errors and the console, machine facts, downloads) go to mnist_dist/operations/,
+# a tool (a benchmark, a comparison, a check, docs tooling) to mnist_dist/tools/, a wrapper to
+# mnist_dist/parallel/.
 TRAINING_PATH = {
-    *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data", "fetch"),
-    *("sharding", "checkpoint", "metrics", "results", "build", "precision", "console", "errors", "rundir"),
-    *("preemption", "profiling", "guards", "machine", "tensorboard", "resume", "compatibility", "files", "environment"),
-    "slurm",
+    *("__init__", "__main__", "config", "modes", "topology", "launch", "train", "step", "model", "data", "metrics"),
 }
 
 
@@ -52,8 +51,9 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_the_top_level_is_the_training_path_and_imports_no_tool():
     assert {path.stem for path in PACKAGE.glob("*.py")} == TRAINING_PATH
-    assert {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()} == {"parallel", "tools"}
-    for path in PACKAGE.glob("*.py"):
+    folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert folders == {"operations", "parallel", "tools"}
+    for path in [*PACKAGE.glob("*.py"), *PACKAGE.glob("operations/*.py")]:
         assert not [name for name in imported_modules(path) if name.startswith("mnist_dist.tools")], path.name
 
 

@@ -9,7 +9,7 @@ from helpers import FASHION, compose_config, scalars
 
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.launch import launch
-from mnist_dist.tensorboard import read_scalars
+from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.tools import ablation
 from mnist_dist.tools import time_to_accuracy as tta
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mnist_dist.tensorboard import LAYOUT, tb_dir
+from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "tensorboard.md"  # the page that lists every tag
 ROOT = Path(__file__).parent.parent

@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from mnist_dist import files, machine
+from mnist_dist.operations import files, machine
 from mnist_dist.tools.run import loadavg
 from mnist_dist.tools.time_to_accuracy import SINGLE_SECONDS_TARGET, accuracy_at, train
 

@@ -12,8 +12,7 @@ import torch
 
 from mnist_dist.config import Config
 from mnist_dist.metrics import state_bytes, synchronize
-from mnist_dist.precision import Precision
-from mnist_dist.step import train_step
+from mnist_dist.step import Precision, train_step
 from mnist_dist.topology import kernel_policy
 
 

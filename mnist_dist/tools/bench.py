@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from mnist_dist.errors import exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch: seconds): Ctrl-C meanwhile is one line too
@@ -32,7 +32,7 @@ if __name__ == "__main__":
 import matplotlib
 import torch
 
-from mnist_dist import files, machine
+from mnist_dist.operations import files, machine
 from mnist_dist.tools import ablation, bucket_sweep, time_to_accuracy
 from mnist_dist.tools.baselines import measure_here
 from mnist_dist.tools.run import median_counters, paired_ratio, prepare_work, run_trainer, summarize

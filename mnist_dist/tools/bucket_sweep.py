@@ -30,7 +30,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no backend or global figure state
 
-from mnist_dist import files, machine
+from mnist_dist.operations import files, machine
 from mnist_dist.tools.run import loadavg, median_counters, paired_ratio, prepare_work, run_trainer, summarize
 
 SIZES_MB = (0.05, 0.25, 1.0, 4.0, 25.0)  # 25: torch's bucket_cap_mb default; this convnet is 4.6 MiB in all

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from mnist_dist.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
@@ -41,13 +41,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from torch import nn
 
-from mnist_dist import files, machine
-from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.launch import WorkerFailed, launch
+from mnist_dist.model import instantiate_model
 from mnist_dist.modes import world_size
+from mnist_dist.operations import files, machine
+from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.tensorboard import read_scalars
 from mnist_dist.tools import compare_estimate, compare_options
 
 matplotlib.use("Agg")  # files only, no display

@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config, data_root
-from mnist_dist.data import raw_dir, split_size
-from mnist_dist.sharding import steps_per_epoch
+from mnist_dist.data import raw_dir, split_size, steps_per_epoch
+from mnist_dist.model import instantiate_model
 
 PROBE_STEPS = 5
 STANDARD = {True: 60_000, False: 10_000}  # images of the train and test splits before the data is here

@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from mnist_dist import files
+from mnist_dist.operations import files
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: README.md and docs/
 # A chart's name in docs/ where it is not the run's.

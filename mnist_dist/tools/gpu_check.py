@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from mnist_dist import machine
 from mnist_dist.modes import MODES
+from mnist_dist.operations import machine
 from mnist_dist.tools import gpu_runs, gpu_wrappers
 from mnist_dist.tools.gpu_probes import Row, replica_dtype, tf32_policy, timed
 from mnist_dist.tools.synthetic import write_idx

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mnist_dist.modes import MODES, DataParallelMode
-from mnist_dist.tensorboard import read_scalars
+from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.tools.gpu_probes import Row
 from mnist_dist.tools.run import train_in_subprocess
 from mnist_dist.tools.time_to_accuracy import accuracy_curve, seconds_to

@@ -14,14 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist import files
-from mnist_dist.build import instantiate_model
-from mnist_dist.model import ConvNet
+from mnist_dist.model import ConvNet, instantiate_model
 from mnist_dist.modes import wrap_model
+from mnist_dist.operations import files
 from mnist_dist.parallel import DistributedDataParallel, spawn
 from mnist_dist.parallel.state import model_state
-from mnist_dist.precision import Precision
-from mnist_dist.step import compute_gradients, evaluate, evaluate_as_saved, train_step
+from mnist_dist.step import Precision, compute_gradients, evaluate, evaluate_as_saved, train_step
 from mnist_dist.tools.gpu_probes import Row, composed
 from mnist_dist.topology import kernel_policy, resolve, setup_process
 

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mnist_dist import files  # noqa: E402
+from mnist_dist.operations import files  # noqa: E402
 
 # row label, colour, test on an event name; the first match wins. Forward is drawn from the step's start
 # to its first backward op (data indexing and zero_grad included: both are small).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mnist_dist import files
+from mnist_dist.operations import files
 
 
 def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import matplotlib
 
-from mnist_dist import files, machine
-from mnist_dist.tensorboard import read_scalars
+from mnist_dist.operations import files, machine
+from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.tools.run import loadavg, train_in_subprocess
 
 matplotlib.use("Agg")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from mnist_dist.errors import exit_on_interrupt
+from mnist_dist.operations.errors import exit_on_interrupt
 
 if sys.argv[:1] == ["-m"]:  # `python -m mnist_dist.tools.check` imports this package first (argv[0] is "-m" then)
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too

@@ -2,7 +2,7 @@
 
 import sys
 
-from mnist_dist.errors import interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import interrupted, raise_on_interrupt
 from mnist_dist.tools.check import main
 
 raise_on_interrupt()  # Ctrl-C and SIGTERM: the check's ranks are stopped, then one line

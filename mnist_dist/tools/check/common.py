@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mnist_dist.build import instantiate_model
 from mnist_dist.config import Config
-from mnist_dist.precision import Precision
-from mnist_dist.step import compute_gradients
+from mnist_dist.model import instantiate_model
+from mnist_dist.step import Precision, compute_gradients
 
 RANKS = 2
 BATCH = 8  # images per rank and step: enough for BatchNorm statistics, a second on a CPU

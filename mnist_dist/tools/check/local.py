@@ -13,8 +13,7 @@ from torch import nn
 
 from mnist_dist.config import Config, ConfigError
 from mnist_dist.modes import MODES, Processes, wrap_model
-from mnist_dist.precision import Precision
-from mnist_dist.step import train_step
+from mnist_dist.step import Precision, train_step
 from mnist_dist.tools.check.common import BATCH, RANKS, Line, build, names, random_batch, step
 from mnist_dist.topology import deterministic_kernels, device_type
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mnist_dist import files
 from mnist_dist.config import Config
 from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.operations import files
 from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
 from mnist_dist.parallel.state import model_state
 from mnist_dist.tools.check.common import RANKS, Line, build, names, random_batch, step

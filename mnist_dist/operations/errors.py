@@ -17,7 +17,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NoReturn
 
-from mnist_dist.files import open_regular
+from mnist_dist.operations.files import open_regular
 
 
 class ConfigError(ValueError):
@@ -117,7 +117,7 @@ def console_handler() -> logging.Handler:
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
 # What stops a command as Ctrl-C does: a terminal's Ctrl-C and hang-up, `kill`, and SIGUSR1 (a scheduler's
-# warning; under srun mnist_dist.preemption answers it with a checkpoint instead).
+# warning; under srun mnist_dist.operations.preemption answers it with a checkpoint instead).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 _received: list[int] = []  # the signal that interrupted the command, for its exit status
 

@@ -33,7 +33,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from mnist_dist import files
+from mnist_dist.operations import files
 
 # CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
 # global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.

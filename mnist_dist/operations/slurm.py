@@ -1,4 +1,4 @@
-"""What an srun task needs beyond its environment's variables (mnist_dist/environment.py reads those): whether
+"""What an srun task needs beyond its environment's variables (environment.py reads those): whether
 it has a GPU of its own, and the store its job step meets in. mnist_dist/topology.py calls both."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from mnist_dist.environment import slurm_job
-from mnist_dist.errors import ConfigError
+from mnist_dist.operations.environment import slurm_job
+from mnist_dist.operations.errors import ConfigError
 
 
 def gpu_of_its_own(tasks: int) -> bool:

@@ -1,7 +1,7 @@
 """What rank 0 shows on the console: one line of config, and the progress.
 
 The config: the console gets the command line's overrides, in one line; the full config goes to
-config.yaml and to the log file (``mnist_dist.errors.FILE_ONLY`` marks such records). The end: one
+config.yaml and to the log file (``mnist_dist.operations.errors.FILE_ONLY`` marks such records). The end: one
 line of results and the run directory (all of them in results.json); a sweep (``-m``) then says its
 directory and the TensorBoard command for it.
 

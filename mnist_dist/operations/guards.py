@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from mnist_dist.data import split_size
-from mnist_dist.errors import ConfigError
+from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")

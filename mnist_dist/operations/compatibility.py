@@ -18,10 +18,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from mnist_dist.build import make_scheduler
 from mnist_dist.config import Config
-from mnist_dist.errors import ConfigError
+from mnist_dist.model import make_scheduler
 from mnist_dist.modes import MODES
+from mnist_dist.operations.errors import ConfigError
 
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 

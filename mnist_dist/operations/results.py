@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from mnist_dist import checkpoint, machine
-from mnist_dist.console import summary_line
-from mnist_dist.errors import FILE_ONLY
 from mnist_dist.metrics import all_gather, cuda_peak_mib, ddp_counters_ms, job_images_per_s
+from mnist_dist.operations import checkpoint, machine
+from mnist_dist.operations.console import summary_line
+from mnist_dist.operations.errors import FILE_ONLY
 from mnist_dist.parallel.state import model_state
 
 if TYPE_CHECKING:

@@ -20,8 +20,8 @@ from typing import BinaryIO
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from mnist_dist import files
-from mnist_dist.errors import DataError
+from mnist_dist.operations import files
+from mnist_dist.operations.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mnist_dist import checkpoint
+from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import state
 from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
 

@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 
-from mnist_dist.errors import ConfigError
+from mnist_dist.operations.errors import ConfigError
 
 # SLURM_STEP_ID: only srun's tasks have it; sbatch exports the others to the batch script itself.
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST", "SLURM_STEP_ID")

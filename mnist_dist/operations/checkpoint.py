@@ -4,9 +4,9 @@ read back with clear errors, and kept in older copies for when the newest is unu
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
-is mnist_dist/compatibility.py's question; what a run puts in it and takes out, mnist_dist/resume.py's.
+is compatibility.py's question; what a run puts in it and takes out, resume.py's.
 
-Every file here is written by mnist_dist/files.py's one atomic write: a symlink planted under the final
+Every file here is written by files.py's one atomic write: a symlink planted under the final
 name is replaced, never written through, and the file gets the user's umask like the rest of the run.
 """
 
@@ -28,8 +28,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from mnist_dist import files
-from mnist_dist.errors import ConfigError
+from mnist_dist.operations import files
+from mnist_dist.operations.errors import ConfigError
 from mnist_dist.step import first_non_finite
 
 FORMAT = 4

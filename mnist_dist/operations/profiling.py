@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from mnist_dist import files
+from mnist_dist.operations import files
 
 STEPS = 5  # profiled steps: enough to see a step's pattern repeat, small enough to open quickly
 
@@ -32,6 +32,6 @@ def start(run_dir: Path, rank: int, warmup_steps: int, device: torch.device) -> 
 
 def _export(done: profile, path: Path) -> None:
     # torch opens the path it is given and follows a link there: it gets a new temp file instead
-    # (mnist_dist/files.py), renamed over ``path``.
+    # (files.py), renamed over ``path``.
     with files.atomic(path) as out:
         done.export_chrome_trace(str(out.path))
