@@ -302,7 +302,7 @@ def test_slurm_sbatch_says_when_the_ranks_stop_as_preemption_does():
     assert "log_every" not in comment and "vote after every step" in comment
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/CONVERTING.md", "docs/layout.md"])
+@pytest.mark.parametrize("doc", ["docs/CONVERTING.md", "docs/layout.md"])
 def test_the_docs_say_which_files_to_copy(doc):
     text = (ROOT / doc).read_text()
     assert "standalone" not in text  # it was said of a file that needed 13 of mnist_dist's

@@ -174,7 +174,7 @@ def test_ablation_table_means_ranges_and_a_budget_without_evaluation():
 def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch_in_ddp(tmp_path):
     # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and every
     # rank stops at the same step (evaluation is a collective). Single mode: test_readme trains the same
-    # epoch to the README's figure (90.02 %), and the stop at the target is tested on generated data above.
+    # epoch to the accuracy the README states, and the stop at the target is tested on generated data above.
     fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
     cfg = compose_config(tmp_path / "data", *fashion, "mode=ddp", "gpus=2", "target_accuracy=0.89")
     cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
