@@ -195,11 +195,9 @@ class StepTimer:
 
     The trainer ends ``data``; the rest is read from outside the step, so that the step's code knows
     nothing of timing: hooks on the optimizer end forward and backward (just before ``step()``) and the
-    optimizer's phase (just after), and our DDP's own clock says how much of backward was ``comm_wait``,
-    the wait for all-reduces that backward did not hide (0 for the other wrappers, whose wait is inside
-    backward). On the compute stream that wait is the same thing on CPU and GPU: the time the step could
-    not go on; communication that overlapped backward is in no phase. With fp16, GradScaler's unscale and
-    inf check count as backward.
+    optimizer's phase (just after), and our DDP's own clock says how much of backward was ``comm_wait``
+    (what it means: docs/tensorboard.md#every-tag). With fp16, GradScaler's unscale and inf check count
+    as backward.
     """
 
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")

@@ -3,20 +3,9 @@
 One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
 rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
 node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
-mode overlay:
-
-- ``train/loss_global`` (mean over ranks), ``perf/images_per_s_global``, ``train/lr``,
-  ``perf/epoch_time_s``, ``test/loss``, ``test/accuracy`` (at every evaluation: epoch ends, and every
-  ``eval_every_steps``), ``test/accuracy_by_train_ms`` (the same accuracies with training milliseconds,
-  evaluation left out, as the x axis: modes compare by time), ``results/images_per_s`` (the run's
-  average, at the end), the run's hyperparameters for the HPARAMS tab, and ``LAYOUT`` for the
-  CUSTOM SCALARS tab: the comparison charts first, per-rank details in a folded section;
-- for every rank r, under ``rank_<r>/``: ``train/loss`` (its own share of the batch),
-  ``perf/images_per_s``, and where a step's time goes (mnist_dist/metrics.py): ``time/data_ms``,
-  ``time/forward_backward_ms``, ``time/comm_wait_ms``, ``time/optimizer_ms``, and in ddp and torch_ddp
-  the wrapper's own ``time/backward_{compute,comm,overlap}_ms``.
-
-The x axis is the optimizer step, which means the same global batch in every mode.
+mode overlay; every tag, and what it means: docs/tensorboard.md#every-tag (tests/test_view.py checks that
+it lists every tag a run writes). ``LAYOUT`` is the CUSTOM SCALARS tab: the comparison charts first,
+per-rank details in a folded section.
 """
 
 from __future__ import annotations
