@@ -216,12 +216,12 @@ class DistributedDataParallel(nn.Module, Joinable, JoinHook):
             self.clock.mark(name)
 
     def _ensure_plan(self) -> None:
-        # Also when a parameter in no bucket was unfrozen (torch DDP would never average it); one frozen later
-        # keeps its place and sends zeros, as torch's unused ones do, so the others keep theirs in the sum.
+        # At the first forward, and again when a parameter in no bucket was unfrozen (torch DDP would never
+        # average it); one frozen later keeps its place and sends zeros, as torch's unused ones do.
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         if all(i in self._bucket_of for i in trainable):
             return
-        for i in set(trainable) - self._hooked:  # here, as a frozen parameter cannot take a hook
+        for i in set(trainable) - self._hooked:  # not at wrap time: a frozen one takes no hook
             self._params[i].register_post_accumulate_grad_hook(partial(self._on_gradient, i))
         self._hooked.update(trainable)
         # torch's first layout: one bucket per dtype until the order is known; with find_unused_parameters the
