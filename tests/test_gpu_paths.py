@@ -13,7 +13,7 @@ from helpers import threaded_parallel_apply
 from torch import nn
 
 from mnist_dist import metrics
-from mnist_dist.config import ConfigError, validate
+from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.operations import resume
@@ -100,14 +100,14 @@ def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, mon
 def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
     # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
     with pytest.raises(ConfigError) as error:
-        validate(make_config("mode=ddp", "gpus=2", "compile=true"))
+        resolve(make_config("mode=ddp", "gpus=2", "compile=true"))
     assert str(error.value) == (
         "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
         "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
         "mode.overlap=false, or compile=false"
     )
-    validate(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
-    validate(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
+    resolve(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
+    resolve(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
 
 
 class FakeEvent:
