@@ -162,13 +162,6 @@ def validate(cfg: Config) -> None:
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
     if bucket_cap_mb is not None and not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")
-    if cfg.compile and cfg.mode.name == "ddp" and cfg.mode.overlap:
-        # Its buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
-        raise ConfigError(
-            "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for "
-            "its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket "
-            "boundaries), mode.overlap=false, or compile=false"
-        )
     most = MODES[cfg.mode.name].max_gpus
     if most and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")

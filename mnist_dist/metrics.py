@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.timing import StreamClock
 
 
@@ -38,12 +39,8 @@ DDP_COUNTERS = {
 def ddp_counters_ms(model: torch.nn.Module) -> dict[str, float]:
     """The wrapper's backward compute, communication and their overlap (ms, averaged over the backwards it
     sampled: torch DDP samples some, ours every synchronised one); {} for a model that is neither DDP."""
-    clock = getattr(model, "clock", None)  # ours: mnist_dist/parallel/timing.py
-    read = clock.averages_ns if clock is not None else getattr(model, "_get_ddp_logging_data", None)
-    if read is None:
-        return {}
-    data = read()
-    return {name: data.get(key, 0) / 1e6 for name, key in DDP_COUNTERS.items()}
+    data = wrappers.of(model).counters_ns(model)
+    return {} if data is None else {name: data.get(key, 0) / 1e6 for name, key in DDP_COUNTERS.items()}
 
 
 def _collective_tensor(values: list[float]) -> torch.Tensor:
@@ -206,7 +203,7 @@ class StepTimer:
         self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
     ) -> None:
         self.clock = clock or _AllDevicesClock(devices)
-        self.wait_clock = getattr(model, "clock", None)  # our DistributedDataParallel's (parallel/timing.py)
+        self.wait_clock = wrappers.of(model).clock(model)  # our DistributedDataParallel's (parallel/timing.py)
         self.sampling = False
         self.stamps: list = []  # this step's: the start, then one per phase ended
         self.window = dict.fromkeys(self.PHASES, 0.0)
@@ -270,14 +267,10 @@ def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the parameters, gradients and optimizer state this rank holds, counted from their storages
-    (each once); in fsdp, the local shards. Our DDP's buckets count too: it copies the gradients into
-    them, so they hold as much again."""
-    parameters = list(model.parameters())
-    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None), *getattr(model, "bucket_buffers", [])]
+    (each once); in fsdp, the local shards. Both DDPs' buckets count too: they copy the gradients into
+    them (unless .grad is a view of its bucket), so they hold as much again."""
+    wrapper, parameters = wrappers.of(model), list(model.parameters())
+    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {}
-    for tensor in tensors:
-        # A DTensor (fsdp) holds its shard locally; isinstance would mean importing DTensor in every mode.
-        storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    storages = {s.data_ptr(): s.nbytes() for s in (wrapper.local(t).untyped_storage() for t in tensors)}
+    return sum(storages.values()) + wrapper.bucket_bytes(model)

@@ -154,6 +154,26 @@ def world_size(cfg: Any) -> int:
     return cfg.gpus if MODES[cfg.mode.name].processes is Processes.PER_DEVICE else 1
 
 
+def compile_refusal(cfg: Any, device_type: str) -> str:
+    """Why compile=true cannot run in ``cfg`` on ``device_type``, naming the fix, or "": the one home of the rule."""
+    schema, devices = MODES[cfg.mode.name].schema, MODES[cfg.mode.name].devices(cfg.gpus)
+    if cfg.compile and schema is DataParallelMode and device_type == "cuda" and devices > 1:
+        # model.compile() binds the compiled call to the module itself, and DataParallel's replicate() copies
+        # each module's __dict__, that binding included: every replica would run cuda:0's weights.
+        return (
+            f"compile=true with mode={cfg.mode.name} on {devices} GPUs: DataParallel's replicas would all run "
+            "cuda:0's compiled model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
+        )
+    if cfg.compile and schema is DDPMode and cfg.mode.overlap:
+        # Our DDP's buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
+        return (
+            "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for "
+            "its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket "
+            "boundaries), mode.overlap=false, or compile=false"
+        )
+    return ""
+
+
 def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1) -> nn.Module:
     """Places ``model`` and applies ``mode`` (a mode config): the one place distribution enters a model.
 
@@ -244,16 +264,7 @@ for _name in ("dp", "dp_block", "dp_functional"):
 _SPLIT_ON_CPU = "in one process: both parts stay on the CPU"
 register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cuda=_SPLIT_ON_CPU))
 _GLOO = "in {world_size} processes with gloo"
-register(Mode("ddp", DDPMode, _ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
-register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, Processes.PER_DEVICE, process_group=True, without_cuda=_GLOO))
-register(
-    Mode(
-        "fsdp",
-        FSDPMode,
-        _fsdp,
-        Processes.PER_DEVICE,
-        process_group=True,
-        channels_last_weights=False,
-        without_cuda=_GLOO,
-    )
-)
+_PER_DEVICE = {"processes": Processes.PER_DEVICE, "process_group": True, "without_cuda": _GLOO}  # ddp, torch_ddp, fsdp
+register(Mode("ddp", DDPMode, _ddp, **_PER_DEVICE))
+register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, **_PER_DEVICE))
+register(Mode("fsdp", FSDPMode, _fsdp, channels_last_weights=False, **_PER_DEVICE))

@@ -15,7 +15,7 @@ from torch import nn
 
 from mnist_dist.data import eval_shard
 from mnist_dist.metrics import all_reduce
-from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap
+from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap, wrappers
 
 
 def train_step(
@@ -56,7 +56,7 @@ def compute_gradients(
     losses = []
     for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
         last = i == parts - 1
-        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+        with model.no_sync() if not last and wrappers.of(model).no_sync else nullcontext():
             with precision.autocast():
                 logits = model(xs)
                 # split mode ends on another device

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mnist_dist
 from mnist_dist.config import Config, check_batch_divides
-from mnist_dist.modes import MODES, DataParallelMode, Processes, devices_needed, world_size
+from mnist_dist.modes import MODES, Processes, compile_refusal, devices_needed, world_size
 from mnist_dist.operations import slurm
 from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
 from mnist_dist.operations.errors import ConfigError
@@ -100,7 +100,8 @@ def from_env(cfg: Config) -> Topology:
 
 def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
     mode = MODES[cfg.mode.name]
-    _refuse_compiled_replicas(cfg, device_type)
+    if refusal := compile_refusal(cfg, device_type):
+        raise ConfigError(refusal)
     backend = ("nccl" if device_type == "cuda" else "gloo") if mode.process_group else None
     return Topology(
         cfg.mode.name,
@@ -111,17 +112,6 @@ def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -
         local_world_size=local_world_size,
         backend=backend,
     )
-
-
-def _refuse_compiled_replicas(cfg: Config, device_type: str) -> None:
-    # model.compile() binds the compiled call to the module itself, and DataParallel's replicate() copies
-    # each module's __dict__, that binding included: every replica would run cuda:0's weights.
-    gpus = MODES[cfg.mode.name].devices(cfg.gpus)
-    if cfg.compile and MODES[cfg.mode.name].schema is DataParallelMode and device_type == "cuda" and gpus > 1:
-        raise ConfigError(
-            f"compile=true with mode={cfg.mode.name} on {gpus} GPUs: DataParallel's replicas would all run "
-            "cuda:0's compiled model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
-        )
 
 
 def device_type(requested: str, needed: int, what: str = "this", fix: str = "pass device=cpu") -> str:

@@ -48,7 +48,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
         # per rank, its fullest device; by device: rank 0's, every device of dp and split
         "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
         "cuda_max_allocated_mib_by_device": peaks,
-        # Parameters, gradients and optimizer state held after a step, counted from their storage: shards in fsdp.
+        # Parameters, gradients, optimizer state and DDP buckets held after a step, from their storage: shards in fsdp.
         "model_state_mib": per_rank(run.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }

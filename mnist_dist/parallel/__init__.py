@@ -17,6 +17,7 @@ app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression
 - ``dp``: the DataParallel family of PyTorch's multi-GPU tutorial, and a model split over two devices;
 - ``fsdp``: torch's FSDP2 applied to a plain model by layer groups;
 - ``state``: a wrapped model's state as the plain model's (checkpoints load into the bare class);
+- ``wrappers``: what each wrapper can do, declared once (``wrappers.of(model)``: unwrap, no_sync, counters, ...);
 - ``spawn``: processes, rendezvous (``_supervise``: failures).
 
 The app applies its modes with these in ``mnist_dist/modes.py``.

@@ -17,7 +17,6 @@ share of the evaluation see the same model.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -25,15 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mnist_dist.parallel.ddp import broadcast_from
+from mnist_dist.parallel.wrappers import DECLARED, Wrapper
 
 # torch.distributed.fsdp and .checkpoint are imported inside the functions that need them: they pull
 # in DTensor and sympy, about 2 s of CPU that every process of every other mode would pay at start.
-
-
-def sharded(model: nn.Module) -> bool:
-    """Whether ``model`` went through ``shard``; a process that never imported FSDP holds no FSDP model."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def layer_groups(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
@@ -65,8 +59,11 @@ def shard(
     copies, and of the gradients' reduction.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
+    # Declared where FSDP is imported: a process that never shards never imports it (nor DTensor).
+    DECLARED[FSDPModule] = Wrapper(sharded=True, local=lambda t: t.to_local() if isinstance(t, DTensor) else t)
     model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -5,25 +5,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.parallel.ddp import DistributedDataParallel, broadcast_from
-from mnist_dist.parallel.dp import FunctionalDataParallel
-from mnist_dist.parallel.fsdp import sharded
-
-_WRAPPERS = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
+from mnist_dist.parallel import wrappers
+from mnist_dist.parallel.ddp import broadcast_from
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside an outer wrapper, for evaluation without wrapper machinery."""
-    return model.module if isinstance(model, _WRAPPERS) else model
+    return model.module if wrappers.of(model).outer else model
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state_dict the plain model would have: no ``module.`` from a wrapper, outer or inner
     (dp_block wraps a submodule), so checkpoints load into the bare model class."""
     model = unwrap(model)
-    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, _WRAPPERS)]
+    inner = [f"{name}." for name, m in model.named_modules() if name and wrappers.of(m).outer]
     state = {}
     for key, value in model.state_dict().items():
         for prefix in inner:
@@ -50,7 +46,7 @@ def _full_options():
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state_dict (a collective in fsdp: every rank calls; rank 0's copy is complete)."""
-    if not sharded(model):
+    if not wrappers.of(model).sharded:
         return plain_state_dict(model)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -59,7 +55,7 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's full state_dict (a collective in fsdp, keyed by parameter name, not by position)."""
-    if not sharded(model):
+    if not wrappers.of(model).sharded:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -68,7 +64,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Puts a checkpoint's optimizer state into ``optimizer``: in fsdp each rank keeps its own shard."""
-    if not sharded(model):
+    if not wrappers.of(model).sharded:
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
