@@ -26,7 +26,7 @@ from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel.spawn import heartbeat, job_store
 
 if TYPE_CHECKING:
-    from mnist_dist.config import Config  # which checks it with its topology (config.validate)
+    from mnist_dist.config import Config  # which imports this module: config.validate checks a Topology
 
 
 @dataclass(frozen=True)
