@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from mnist_dist.config import Config, ConfigError, describe_hydra_error, refuse_unknown_keys, validate
+from mnist_dist.config import Config, ConfigError, describe_hydra_error, refuse_unknown_keys
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.operations import checkpoint, preemption, rundir
 from mnist_dist.operations.environment import launched_rank, launcher
@@ -64,8 +64,7 @@ def _run(cfg: DictConfig) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
         logging.getLogger("mnist_dist").setLevel(logging.INFO)
         refuse_unknown_keys(cfg)  # before to_object, which drops them
-        config: Config = OmegaConf.to_object(cfg)
-        validate(config)
+        config: Config = OmegaConf.to_object(cfg)  # launch checks it (config.validate), once its topology is known
         written = _directories_written(config, run_dir)
         with ExitStack() as held:
             for directory in written:

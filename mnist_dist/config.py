@@ -13,6 +13,7 @@ import difflib
 import math
 import os
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,19 +26,20 @@ from hydra.errors import MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from mnist_dist.modes import MODES, world_size
+from mnist_dist.modes import MODES, Processes, compile_refusal
+from mnist_dist.operations import guards
+from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
+from mnist_dist.topology import Topology
 
 __all__ = [
     "Amp",
     "Config",
     "ConfigError",
     "Device",
-    "check_batch_divides",
     "describe_hydra_error",
     "refuse_unknown_keys",
     "validate",
-    "world_size",
 ]
 
 
@@ -128,8 +130,46 @@ _MOST_KEPT = 100  # keep_checkpoints: 10**9 planned that many names at the first
 _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 
 
-def validate(cfg: Config) -> None:
-    """Checks the composed config makes sense before any process starts or any file is written."""
+def validate(cfg: Config, topology: Topology) -> None:
+    """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
+    spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
+    launcher's variables and devices as the topology is read, the data's size (guards), a checkpoint (compatibility)."""
+    _each_setting(cfg)  # first: the checks below compute with them
+    by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
+    if by and cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
+        raise ConfigError(
+            f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
+            f"gpus={size})"
+        )
+    if by and mode.processes is not Processes.PER_DEVICE:
+        raise ConfigError(
+            f"{by} starts {size} processes but mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
+        )
+    most = mode.max_gpus
+    if most and cfg.gpus > most:
+        raise ConfigError(f"gpus={cfg.gpus}: mode={mode.name} uses at most {most} devices; use gpus={most}")
+    if refusal := compile_refusal(cfg, topology.device_type):
+        raise ConfigError(refusal)
+    parts = size * cfg.accumulate  # the global batch splits into equal shares per rank and micro-batch
+    if cfg.batch_size % parts:
+        micro = f" x accumulate={cfg.accumulate}" if cfg.accumulate > 1 else ""
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks{micro}; use a multiple of "
+            f"{parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
+        )
+    if by or mode.processes is Processes.ONE:
+        return  # what follows: the workers this process starts, on this machine
+    guards.check_cpu_capacity(topology)
+    with socket.socket() as probe:  # dist.port=0 binds any: a free port is picked just before spawning
+        try:
+            probe.bind(("127.0.0.1", cfg.dist.port))
+        except OSError:
+            raise ConfigError(
+                f"dist.port={cfg.dist.port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one"
+            ) from None
+
+
+def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
     for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
@@ -141,8 +181,9 @@ def validate(cfg: Config) -> None:
         )
     if not 0 <= cfg.target_accuracy <= 1:
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
-    if cfg.eval_every_steps < 0:
-        raise ConfigError(f"eval_every_steps={cfg.eval_every_steps} must be 0 (epoch ends only) or more")
+    for key in ("eval_every_steps", "checkpoint_every_steps"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be 0 (epoch ends only) or more")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         shown = float(lr) if isinstance(lr, (int, float)) else lr  # optim.lr=abc: said as it is
@@ -153,8 +194,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints}: at most {_MOST_KEPT} (each is a full checkpoint)")
     if not 0 <= cfg.dist.port <= 65535:
         raise ConfigError(f"dist.port={cfg.dist.port} must be a TCP port, 1 to 65535, or 0 to pick a free one")
-    if cfg.checkpoint_every_steps < 0:
-        raise ConfigError(f"checkpoint_every_steps={cfg.checkpoint_every_steps} must be 0 (epoch ends only) or more")
     if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
         raise ConfigError(
             f"dist.timeout_s={cfg.dist.timeout_s} must be from 1 to {_LONGEST_TIMEOUT_S} (seconds: a week)"
@@ -162,10 +201,6 @@ def validate(cfg: Config) -> None:
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
     if bucket_cap_mb is not None and not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")
-    most = MODES[cfg.mode.name].max_gpus
-    if most and cfg.gpus > most:
-        raise ConfigError(f"gpus={cfg.gpus}: mode={cfg.mode.name} uses at most {most} devices; use gpus={most}")
-    check_batch_divides(cfg.batch_size, world_size(cfg), cfg.accumulate)
 
 
 def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
@@ -185,17 +220,6 @@ def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") 
         child = cfg._get_node(key)
         if isinstance(child, DictConfig):
             refuse_unknown_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
-
-
-def check_batch_divides(batch_size: int, ranks: int, accumulate: int) -> None:
-    """The global batch splits into equal shares per rank and micro-batch, or a ConfigError with both numbers."""
-    parts = ranks * accumulate
-    if batch_size % parts:
-        micro = f" x accumulate={accumulate}" if accumulate > 1 else ""
-        raise ConfigError(
-            f"batch_size={batch_size} (global) is not divisible by {ranks} ranks{micro}; "
-            f"use a multiple of {parts}, e.g. batch_size={batch_size // parts * parts or parts}"
-        )
 
 
 def data_root(cfg: Config) -> str:

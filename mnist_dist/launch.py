@@ -15,15 +15,14 @@ spawning and supervising is ``mnist_dist.parallel.spawn``, which your own script
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mnist_dist.config import Config, ConfigError, data_root, validate
+from mnist_dist.config import Config, data_root, validate
 from mnist_dist.data import prepare, raw_dir
-from mnist_dist.modes import MODES, Processes, world_size
+from mnist_dist.modes import MODES, Processes
 from mnist_dist.operations import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.operations.console import config_line
 from mnist_dist.operations.environment import launcher
@@ -47,13 +46,13 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     checkpoint's own value is taken; every caller in the package passes them (tests/test_structure.py).
     """
     if launcher():
-        return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size
-    cfg, run_dir = _resume(cfg, run_dir, overrides)
+        return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= read there, with rank 0's run directory
+    cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
     topology = resolve(cfg)
+    validate(cfg, topology)
+    if saved:
+        compatibility.check_resumable(saved, cfg)
     mode = MODES[cfg.mode.name]
-    guards.check_cpu_capacity(topology)
-    if mode.processes is Processes.PER_DEVICE and cfg.dist.port:
-        _check_port(cfg.dist.port)  # before any work; a free port is picked just before spawning
     if topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
@@ -95,9 +94,14 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     if launcher() == "srun":
         preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
     topology = from_env(cfg)
+    validate(cfg, topology)  # before the process group, which a rank that failed would leave the others waiting in
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
-    cfg, run_dir = _resume(cfg, run_dir, overrides, topology.world_size)
+    cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
+    cfg.gpus = topology.world_size  # what runs, as config.yaml records it: not gpus=, nor a resumed run's gpus
+    if saved:
+        validate(cfg, topology)  # the checkpoint's config, with what the command sets
+        compatibility.check_resumable(saved, cfg)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
@@ -108,9 +112,9 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     return train(cfg, run_dir, data_dir, topology)
 
 
-def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0) -> tuple[Config, Path]:
-    """Checks what ``resume=`` names before anything is overwritten; returns the config the run goes on with
-    (the checkpoint's own, with what the command line sets) and the directory it goes on in.
+def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
+    """What ``resume=`` names, before anything is overwritten: the config the run goes on with (the checkpoint's
+    own, with what the command line sets), the directory it goes on in, and the checkpoint (None: a fresh run).
 
     ``auto`` resumes ``run_dir``'s newest readable checkpoint if it has one, else starts fresh: what a
     restarted torchrun job or a requeued SLURM job, relaunched with the same command, needs.
@@ -120,27 +124,9 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
         rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced
-        return cfg, run_dir
+        return cfg, run_dir, None
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
     cfg = compatibility.resumed_config(state, cfg, overrides)
     cfg.resume = str(path)
-    validate(cfg)
-    compatibility.check_resumable(state, cfg)
-    ranks = ranks or world_size(cfg)
-    if state["world_size"] != ranks:
-        log.info(
-            "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
-            ranks,
-            state["world_size"],
-            ranks,
-        )
-    return cfg, path.parent  # the run goes on in its own directory
-
-
-def _check_port(port: int) -> None:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            raise ConfigError(f"dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one") from None
+    return cfg, path.parent, state  # the run goes on in its own directory

@@ -13,17 +13,20 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import mnist_dist
-from mnist_dist.config import Config, check_batch_divides
-from mnist_dist.modes import MODES, Processes, compile_refusal, devices_needed, world_size
+from mnist_dist.modes import MODES, devices_needed, world_size
 from mnist_dist.operations import slurm
 from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel.spawn import heartbeat, job_store
+
+if TYPE_CHECKING:
+    from mnist_dist.config import Config  # which imports this module: config.validate checks a Topology
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,6 @@ class Topology:
     mode: str  # the entry of mnist_dist.modes.MODES
     device_type: str  # cuda | cpu
     world_size: int  # worker processes
-    batch: int  # this rank's share of the global batch
     gpus: int  # devices a process of an all-GPU mode (dp, split) drives
     rank: int = 0
     local_rank: int = 0
@@ -79,39 +81,16 @@ def from_env(cfg: Config) -> Topology:
         # Where rank 0 serves the job's store; every task derives the same port from the job step.
         env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
         env.setdefault("MASTER_PORT", str(cfg.dist.port or slurm_port()))
-    if cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
-        raise ConfigError(
-            f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
-            f"gpus={size})"
-        )
-    cfg.gpus = size  # what ran, as config.yaml records it
-    if MODES[cfg.mode.name].processes is not Processes.PER_DEVICE:
-        raise ConfigError(
-            f"{by} starts {size} processes but mode={cfg.mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
-        )
-    check_batch_divides(cfg.batch_size, size, cfg.accumulate)
     one_each = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
     needed = 1 if one_each else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
     own_gpu = one_each and kind == "cuda" and slurm.gpu_of_its_own(local_size)
-    topology = _topology(cfg, kind, size, local_size)
-    return dataclasses.replace(topology, rank=rank, local_rank=local_rank, own_gpu=own_gpu)
+    return _topology(cfg, kind, size, rank=rank, local_rank=local_rank, local_world_size=local_size, own_gpu=own_gpu)
 
 
-def _topology(cfg: Config, device_type: str, size: int, local_world_size: int) -> Topology:
-    mode = MODES[cfg.mode.name]
-    if refusal := compile_refusal(cfg, device_type):
-        raise ConfigError(refusal)
-    backend = ("nccl" if device_type == "cuda" else "gloo") if mode.process_group else None
-    return Topology(
-        cfg.mode.name,
-        device_type,
-        size,
-        cfg.batch_size // size,
-        cfg.gpus,
-        local_world_size=local_world_size,
-        backend=backend,
-    )
+def _topology(cfg: Config, kind: str, size: int, **where: int | bool) -> Topology:
+    backend = ("nccl" if kind == "cuda" else "gloo") if MODES[cfg.mode.name].process_group else None
+    return Topology(cfg.mode.name, kind, size, cfg.gpus, backend=backend, **where)
 
 
 def device_type(requested: str, needed: int, what: str = "this", fix: str = "pass device=cpu") -> str:

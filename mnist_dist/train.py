@@ -167,7 +167,7 @@ def build(
         topology.device_type,
         topology.world_size,
         cfg.batch_size,
-        topology.batch,
+        cfg.batch_size // topology.world_size,
         steps,
     )
     return run

@@ -20,8 +20,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist.config import validate
 from mnist_dist.operations.tensorboard import read_scalars, tb_dir
 from mnist_dist.parallel import init_process_group, spawn
+from mnist_dist.topology import resolve
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 # How long a test waits for a command before calling it hung: what a ddp run on tiny data may take on a
@@ -35,6 +37,11 @@ def compose_config(data_root: Path, *overrides: str):
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"data.root={data_root}", "data.mirrors=[]", "progress=false", *overrides])
     return OmegaConf.to_object(cfg)
+
+
+def validate_here(cfg) -> None:
+    """config.validate on the topology this machine gives ``cfg``, as launch checks it."""
+    validate(cfg, resolve(cfg))
 
 
 def events(run_dir: Path) -> EventAccumulator:

@@ -4,12 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import validate_here
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.utils import instantiate
 from torch import nn
 
-from mnist_dist.config import ConfigError, describe_hydra_error, validate
+from mnist_dist.config import ConfigError, describe_hydra_error
 from mnist_dist.data import official_mirrors
 from mnist_dist.topology import resolve
 
@@ -191,7 +192,7 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
 )
 def test_invalid_numbers_are_named(make_config, overrides, expected):
     with pytest.raises(ConfigError) as error:
-        validate(make_config(*overrides))
+        validate_here(make_config(*overrides))
     assert str(error.value) == expected
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import threaded_parallel_apply
+from helpers import threaded_parallel_apply, validate_here
 from torch import nn
 
 from mnist_dist import metrics
@@ -20,7 +20,7 @@ from mnist_dist.operations import resume
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.tools import baselines, bench
-from mnist_dist.topology import Topology, from_env, resolve, setup_process
+from mnist_dist.topology import Topology, from_env, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
 # The module, not the function torch.nn.parallel exports under the same name.
@@ -88,26 +88,26 @@ def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     extra = ["mode.dp_block=features"] if name == "dp_block" else []
     with pytest.raises(ConfigError) as error:
-        resolve(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
+        validate_here(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
     assert str(error.value) == (
         f"compile=true with mode={name} on 2 GPUs: DataParallel's replicas would all run cuda:0's compiled "
         "model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
     )
     for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
-        resolve(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
+        validate_here(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
 
 
 def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
     # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
     with pytest.raises(ConfigError) as error:
-        resolve(make_config("mode=ddp", "gpus=2", "compile=true"))
+        validate_here(make_config("mode=ddp", "gpus=2", "compile=true"))
     assert str(error.value) == (
         "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
         "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
         "mode.overlap=false, or compile=false"
     )
-    resolve(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
-    resolve(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
+    validate_here(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
+    validate_here(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
 
 
 class FakeEvent:
@@ -216,11 +216,11 @@ def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(mo
 
 def test_the_devices_of_a_process(make_config):
     two = [torch.device("cuda:0"), torch.device("cuda:1")]
-    assert Topology("dp", "cuda", 1, 64, gpus=2).devices == two
-    assert Topology("split", "cuda", 1, 64, gpus=4).devices == two  # split uses at most 2
-    assert Topology("split", "cuda", 1, 64, gpus=1).devices == [torch.device("cuda:0")]  # and the CPU
-    assert Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1).devices == [torch.device("cuda:1")]
-    assert Topology("dp", "cpu", 1, 64, gpus=2).devices == [torch.device("cpu")]
+    assert Topology("dp", "cuda", 1, gpus=2).devices == two
+    assert Topology("split", "cuda", 1, gpus=4).devices == two  # split uses at most 2
+    assert Topology("split", "cuda", 1, gpus=1).devices == [torch.device("cuda:0")]  # and the CPU
+    assert Topology("ddp", "cuda", 2, gpus=2, rank=1, local_rank=1).devices == [torch.device("cuda:1")]
+    assert Topology("dp", "cpu", 1, gpus=2).devices == [torch.device("cpu")]
 
 
 @pytest.fixture
@@ -237,14 +237,14 @@ def cuda_setup(monkeypatch):
 
 def test_nccl_is_initialised_bound_to_the_device(cuda_setup):
     # Without device_id every rank warns at each barrier(), and a broken NCCL surfaces inside the wrapper.
-    ranks = Topology("ddp", "cuda", 2, 32, gpus=2, rank=1, local_rank=1, backend="nccl")
+    ranks = Topology("ddp", "cuda", 2, gpus=2, rank=1, local_rank=1, backend="nccl")
     setup_process(ranks, deterministic=True, timeout_s=60)
     args, kwargs = cuda_setup["init"]
     assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda:1") and kwargs["rank"] == 1
 
 
 def test_each_run_starts_with_the_peak_memory_of_every_device_reset(cuda_setup):
-    setup_process(Topology("dp", "cuda", 1, 64, gpus=2), deterministic=True, timeout_s=60)
+    setup_process(Topology("dp", "cuda", 1, gpus=2), deterministic=True, timeout_s=60)
     assert cuda_setup["reset"] == [torch.device("cuda:0"), torch.device("cuda:1")]
     assert cuda_setup["init"] is None  # dp needs no process group
 
@@ -273,7 +273,7 @@ def test_a_checkpoint_keeps_the_random_state_of_every_cuda_device(monkeypatch):
 @pytest.mark.parametrize("tf32", [False, True])
 def test_setup_sets_the_tf32_policy_for_convolutions_and_matmuls(tf32):
     # torch 2.14 runs fp32 cuDNN convolutions in TF32 by default: exact comparisons on a GPU need it off.
-    setup_process(Topology("single", "cpu", 1, 64, gpus=1), deterministic=True, timeout_s=60, tf32=tf32)
+    setup_process(Topology("single", "cpu", 1, gpus=1), deterministic=True, timeout_s=60, tf32=tf32)
     precision = "tf32" if tf32 else "ieee"
     assert torch.backends.cudnn.conv.fp32_precision == precision
     assert torch.backends.cuda.matmul.fp32_precision == precision

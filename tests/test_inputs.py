@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import validate_here
 
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.operations import environment
@@ -26,7 +27,7 @@ from mnist_dist.topology import from_env
 )
 def test_a_setting_out_of_range_is_one_line_naming_it(make_config, override, message):
     with pytest.raises(ConfigError) as error:
-        validate(make_config(*override.split()))
+        validate_here(make_config(*override.split()))
     assert str(error.value).startswith(message)
 
 
@@ -66,11 +67,24 @@ def test_slurm_ntasks_that_is_no_number_is_one_line(monkeypatch):
 def test_gpus_under_torchrun_is_what_runs_or_refused(make_config, monkeypatch):
     for key, value in {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
+    cfg = make_config("mode=ddp", "gpus=3", "device=cpu")
     with pytest.raises(ConfigError, match="gpus=3, but torchrun started 2 processes, which is what runs"):
-        from_env(make_config("mode=ddp", "gpus=3", "device=cpu"))
-    cfg = make_config("mode=ddp", "device=cpu")
-    from_env(cfg)
-    assert cfg.gpus == 2  # as config.yaml then records it
+        validate(cfg, from_env(cfg))
+    for gpus in ("gpus=1", "gpus=2"):  # the default, or what runs
+        cfg = make_config("mode=ddp", gpus, "device=cpu")
+        validate(cfg, from_env(cfg))
+
+
+def test_gpus_under_torchrun_is_refused_before_the_batch_is_split_by_it(tiny_root, tmp_path):
+    # torchrun's 2 processes are what runs: 64 splits among them; split among gpus=3 it was refused instead
+    env = {"PATH": "/usr/bin:/bin", **TORCHRUN, "RANK": "0", "WORLD_SIZE": "2"}
+    overrides = ["mode=ddp", "gpus=3", "batch_size=64", "device=cpu", f"data.root={tiny_root}", "hydra.run.dir=run"]
+    result = subprocess.run(
+        [sys.executable, "-m", "mnist_dist", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.stderr == (
+        "error: gpus=3, but torchrun started 2 processes, which is what runs; leave gpus= out (or pass gpus=2)\n"
+    )
 
 
 def test_a_rank_that_is_no_number_is_one_line_from_the_command(tmp_path):

@@ -18,7 +18,9 @@ from helpers import FASHION, compose_config
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mnist_dist.config import validate
+from mnist_dist.modes import world_size
 from mnist_dist.tools.docs_numbers import ROOT, embed, main
+from mnist_dist.topology import Topology
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -190,7 +192,8 @@ def test_every_training_command_in_the_docs_composes(tmp_path):
                     continue
                 for job in jobs(overrides):
                     try:
-                        validate(compose_config(tmp_path, *job))
+                        cfg = compose_config(tmp_path, *job)  # as a machine with the GPUs it asks for runs it:
+                        validate(cfg, Topology(cfg.mode.name, "cuda", world_size(cfg), cfg.gpus))
                     except Exception as error:
                         pytest.fail(f"{page.name}: {shlex.join(words)}\n  {type(error).__name__}: {error}")
                     composed += 1

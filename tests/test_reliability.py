@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, compose_config, run_ranks
+from helpers import HANG_S, compose_config, run_ranks, validate_here
 
-from mnist_dist.config import ConfigError, validate
+from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import DistributedDataParallel
@@ -546,7 +546,7 @@ def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
 )
 def test_non_finite_rates_and_timeouts_are_refused(make_config, override, message):
     with pytest.raises(ConfigError) as error:
-        validate(make_config(override))
+        validate_here(make_config(override))
     assert str(error.value) == message
 
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from helpers import compose_config
+from helpers import compose_config, validate_here
 from torch import nn
 
 import mnist_dist
-from mnist_dist.config import validate
 from mnist_dist.launch import launch
 from mnist_dist.modes import MODES, Mode, Processes, register
 from mnist_dist.tools.synthetic import write_idx
@@ -160,7 +159,7 @@ def test_a_new_mode_is_one_yaml_and_one_entry(tiny_root, tmp_path, monkeypatch):
     steps = ("epochs=1", "batch_size=32", "model.dropout=false")
     cfg = compose_config(tiny_root, f"hydra.searchpath=[file://{tmp_path}/conf]", "mode=toy", *steps)
     assert cfg.mode == ToyMode(name="toy", scale=2.0)
-    validate(cfg)
+    validate_here(cfg)
     for name in ("toy", "single"):
         (tmp_path / name).mkdir()
     launch(cfg, tmp_path / "toy")

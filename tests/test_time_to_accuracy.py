@@ -5,9 +5,9 @@ import re
 
 import pytest
 import torch
-from helpers import FASHION, compose_config, scalars
+from helpers import FASHION, compose_config, scalars, validate_here
 
-from mnist_dist.config import ConfigError, validate
+from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.tools import ablation
@@ -68,7 +68,7 @@ def test_bad_target_settings_are_one_line(make_config):
         ("eval_every_steps=-1", "eval_every_steps=-1 must be 0 (epoch ends only) or more"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
-            validate(make_config(override))
+            validate_here(make_config(override))
 
 
 def test_recipes_classic_is_the_defaults_and_fast_chooses_its_groups(make_config):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from helpers import compose_config, scalars
 
 from mnist_dist.launch import _resume, launch
-from mnist_dist.operations import checkpoint
+from mnist_dist.operations import checkpoint, compatibility
 
 # 48 images per step divide among 1, 2, 3 and 4 ranks; SGD and no dropout: nothing depends on the ranks.
 JOB = ("epochs=2", "batch_size=48", "optim=sgd", "model.dropout=false", "log_every=1")
@@ -63,14 +63,17 @@ def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused
     mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
     try:
         with caplog.at_level(logging.INFO, logger="mnist_dist"):
-            _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3"), two_ranks, (), 3)
+            compatibility.check_resumable(*_resumed(tiny_root, two_ranks, "epochs=3", "gpus=3"))
     finally:
         mnist_dist_log.propagate = before
     assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
     with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
-        _resume(
-            compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", "epochs=3", "batch_size=24"), None, (), 3
-        )
+        compatibility.check_resumable(*_resumed(tiny_root, two_ranks, "epochs=3", "batch_size=24"))
+
+
+def _resumed(tiny_root, two_ranks, *overrides) -> tuple:
+    cfg, _, saved = _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", *overrides), two_ranks, ())
+    return saved, cfg
 
 
 @pytest.mark.slow
@@ -136,4 +139,5 @@ def test_torchrun_elastic_goes_on_with_the_node_that_is_left(tiny_root, tmp_path
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["world_size"], results["steps"]) == (1, 40)
     assert "resuming on 1 ranks a checkpoint written on 2" in errors
+    assert "\ngpus: 1\n" in (run_dir / "config.yaml").read_text()  # what ran, not the checkpoint's gpus=2
     assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(tmp_path / "whole" / "model.pt"))

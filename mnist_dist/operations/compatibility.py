@@ -9,6 +9,7 @@ bounded in size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,10 @@ from omegaconf import OmegaConf
 
 from mnist_dist.config import Config
 from mnist_dist.model import make_scheduler
-from mnist_dist.modes import MODES
+from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations.errors import ConfigError
+
+log = logging.getLogger("mnist_dist")
 
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 
@@ -136,8 +139,8 @@ def _under(path: str, keys: set[str]) -> bool:
 
 def check_resumable(state: dict, cfg: Config) -> None:
     """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
-    the run could not restore: checked before anything is written. Another world size is no change: the
-    global batches, and so the training, are the same at every world size that divides the batch."""
+    the run could not restore: checked before anything is written, on a config that passed config.validate.
+    Another world size is no change, only said: the global batches, and so the training, are the same."""
     saved = saved_settings(state)
     before = _leaves({"model": saved["model"], "batch_size": saved["batch_size"], "data": {"name": saved["data"]}})
     mine = _container(cfg)
@@ -168,6 +171,14 @@ def check_resumable(state: dict, cfg: Config) -> None:
         raise ConfigError(
             "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
             "it was trained with"
+        )
+    ranks = world_size(cfg)  # under torchrun or srun, launch has set gpus to what runs
+    if state["world_size"] != ranks:
+        log.info(
+            "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
+            ranks,
+            state["world_size"],
+            ranks,
         )
 
 

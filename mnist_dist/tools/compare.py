@@ -49,6 +49,7 @@ from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
 from mnist_dist.tools import compare_estimate, compare_options
+from mnist_dist.topology import resolve
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -255,7 +256,7 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
                     f"compare: mode={mode} with mode.sync_batchnorm=true, so that its BatchNorm sees the global batch"
                 )
             configs[mode] = OmegaConf.to_object(cfg), said
-            validate(configs[mode][0])
+            validate(configs[mode][0], resolve(configs[mode][0]))  # every mode checked before the first runs
     return configs
 
 

@@ -27,6 +27,7 @@ from mnist_dist.config import Config, ConfigError, describe_hydra_error, validat
 from mnist_dist.tools.check.common import BATCH, RANKS, Line, build
 from mnist_dist.tools.check.local import check_batchnorm, check_determinism, check_modes, check_unused
 from mnist_dist.tools.check.ranks import check_distributed
+from mnist_dist.topology import resolve
 
 
 def run_checks(cfg: Config) -> list[Line]:
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
     try:
         with initialize_config_module("mnist_dist.conf", version_base="1.3"):
             cfg: Config = OmegaConf.to_object(compose("config", overrides=argv))
-        validate(cfg)
+        validate(cfg, resolve(cfg))
         parameters = sum(p.numel() for p in build(cfg).parameters())
     except HydraException as error:
         sys.exit(f"error: {describe_hydra_error(error, argv)}")
