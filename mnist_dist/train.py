@@ -81,7 +81,7 @@ class Run:
     good_checkpoint: tuple[Path, int] | None = None  # the newest checkpoint (path, step): checked when written
 
     def __post_init__(self) -> None:
-        self.train_clock, self.eval_clock = Stopwatch(self.throughput.devices), Stopwatch(self.throughput.devices)
+        self.train_clock, self.eval_clock = Stopwatch(self.topology.devices), Stopwatch(self.topology.devices)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
