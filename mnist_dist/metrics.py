@@ -217,6 +217,20 @@ class StepTimer:
         return {phase: 1000 * seconds / max(self.total_steps, 1) for phase, seconds in self.total.items()}
 
 
+class Meters:
+    """What a rank measures over a run, on the clock of ``devices``: training and evaluation time (time to
+    accuracy counts training only), images/s, the step split, and the most parameter, gradient and optimizer
+    bytes it held after a step."""
+
+    def __init__(
+        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int
+    ) -> None:
+        self.train_time, self.eval_time = Stopwatch(devices), Stopwatch(devices)
+        self.throughput = Throughput(devices, warmup)
+        self.step_timer = StepTimer(devices, model, optimizer)
+        self.state_bytes = 0
+
+
 def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:
     """The most memory allocated on each CUDA device in ``devices`` since this run's process setup reset
     it, ``{"cuda:0": MiB, ...}``; None on the CPU. dp gathers outputs on cuda:0, which holds the most."""
