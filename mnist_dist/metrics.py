@@ -1,12 +1,12 @@
 """Honest numbers: synchronised timing without warm-up, the wrappers' own counters, global reductions.
 
-Throughput, the training stopwatch and the step-time split read the compute stream's clock, skip the
-warm-up steps and stay out of the step's code; what they measure is logged by mnist_dist/operations/tensorboard.py.
+Throughput, the stopwatches and the step-time split read one clock, the compute stream's
+(mnist_dist/parallel/timing.py, which our DDP's backward counters read too), skip the warm-up steps and
+stay out of the step's code; what they measure is logged by mnist_dist/operations/tensorboard.py.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -15,17 +15,6 @@ import torch.distributed as dist
 
 from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.timing import StreamClock
-
-
-def synchronize(devices: Sequence[torch.device]) -> None:
-    """Waits for the work queued so far on the compute (current) stream of each CUDA device in ``devices``."""
-    # CUDA kernels run asynchronously: without this a clock reads when work was queued, not done. The
-    # compute stream, not torch.cuda.synchronize(): that also waits for the side streams (NCCL's, our
-    # DDP's), i.e. for communication the step itself never waited for.
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-
 
 # Both DDPs' own counters of their backward passes: torch DDP's logging data (reducer.cpp), and ours under
 # the same names (mnist_dist/parallel/timing.py), so that the two are read, logged and compared alike.
@@ -78,18 +67,18 @@ def job_images_per_s(windows: list[tuple[float, float]]) -> float:
 
 
 class Throughput:
-    """Images/s over windows of steps, read with the compute streams of ``devices`` (every device the process
-    computes on) synchronised and warm-up steps left out.
+    """Images/s over windows of steps, on the clock of ``devices`` (every device the process computes on),
+    warm-up steps left out.
 
     ``lap()`` closes a window (at log steps and at the end of an epoch); ``pause()`` stops the clock
-    for work that is not training (evaluation, checkpoints); the next ``step()`` starts it again.
+    for work that is not training (evaluation, the end of an epoch); the next ``step()`` starts it again.
     """
 
     def __init__(self, devices: Sequence[torch.device], warmup_steps: int) -> None:
-        self.devices = list(devices)
+        self.clock = StreamClock(devices)
         self.warmup_left = warmup_steps
         self.images = 0
-        self.started: float | None = None
+        self.started = None  # the window's first stamp
         self.total_images = 0
         self.total_seconds = 0.0
 
@@ -98,9 +87,7 @@ class Throughput:
             self.warmup_left -= 1
             return
         if self.started is None:
-            # Stamp the start after the previous step's work has finished, not when it was queued.
-            synchronize(self.devices)
-            self.started = time.perf_counter()
+            self.started = self.clock.now()  # on the stream: once the previous step's work has finished
             return  # this step began before the clock started; count only steps timed in full
         self.images += images
 
@@ -108,9 +95,8 @@ class Throughput:
         """(images, seconds) since the last lap, or None while warming up or paused."""
         if self.started is None or not self.images:
             return None
-        synchronize(self.devices)
-        now = time.perf_counter()
-        window = (self.images, now - self.started)
+        now = self.clock.now()
+        window = (self.images, self.clock.seconds(self.started, now))
         self.total_images += window[0]
         self.total_seconds += window[1]
         self.images, self.started = 0, now
@@ -120,39 +106,26 @@ class Throughput:
         self.lap()
         self.started = None
 
-    @property
-    def images_per_s(self) -> float:
-        return self.total_images / self.total_seconds if self.total_seconds else 0.0
-
 
 class Stopwatch:
-    """Seconds spent between ``start()`` and ``stop()``, summed; the compute streams of ``devices`` are
-    synchronised at both ends.
-
-    Time to accuracy counts training only: the trainer stops its training stopwatch while it evaluates.
-    """
+    """Seconds spent between ``start()`` and ``stop()``, summed, on the clock of ``devices``."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
-        self.devices = list(devices)
+        self.clock = StreamClock(devices)
         self.seconds = 0.0
-        self.started: float | None = None
+        self.started = None
 
     def start(self) -> None:
-        synchronize(self.devices)
-        self.started = time.perf_counter()
+        self.started = self.clock.now()
 
     def stop(self) -> None:
-        if self.started is not None:
-            synchronize(self.devices)
-            self.seconds += time.perf_counter() - self.started
-            self.started = None
+        self.seconds, self.started = self.read(), None
 
     def read(self) -> float:
         """Seconds so far, the interval running now included."""
         if self.started is None:
             return self.seconds
-        synchronize(self.devices)
-        return self.seconds + time.perf_counter() - self.started
+        return self.seconds + self.clock.seconds(self.started, self.clock.now())
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -166,29 +139,10 @@ class Stopwatch:
                 self.start()
 
 
-class _AllDevicesClock:
-    """``StreamClock`` stamps on the first device's compute stream, made to wait for the compute streams of
-    the others first (dp's replicas run on every GPU): a device-side wait, so the host still never blocks."""
-
-    def __init__(self, devices: Sequence[torch.device]) -> None:
-        self.first, *self.others = devices
-        self.clock = StreamClock(self.first)
-
-    def now(self):
-        if self.first.type == "cuda":
-            for other in self.others:
-                torch.cuda.current_stream(self.first).wait_stream(torch.cuda.current_stream(other))
-        return self.clock.now()
-
-    def seconds(self, start, end) -> float:
-        return self.clock.seconds(start, end)
-
-
 class StepTimer:
-    """Splits sampled steps into phases, with time stamps on the compute stream (``StreamClock``) of the
-    first of ``devices`` (every device the process computes on), after the others' queued work: on CUDA
-    nothing waits while a step runs, and the stamps are read once it has ended. Only the steps passed
-    ``sample=True`` are timed.
+    """Splits sampled steps into phases, with stamps on the clock of ``devices`` (every device the process
+    computes on): on CUDA nothing waits while a step runs, and the stamps are read once it has ended. Only
+    the steps passed ``sample=True`` are timed.
 
     The trainer ends ``data``; the rest is read from outside the step, so that the step's code knows
     nothing of timing: hooks on the optimizer end forward and backward (just before ``step()``) and the
@@ -200,9 +154,9 @@ class StepTimer:
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 
     def __init__(
-        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, clock=None
+        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.clock = clock or _AllDevicesClock(devices)
+        self.clock = StreamClock(devices)
         self.wait_clock = wrappers.of(model).clock(model)  # our DistributedDataParallel's (parallel/timing.py)
         self.sampling = False
         self.stamps: list = []  # this step's: the start, then one per phase ended
@@ -256,6 +210,20 @@ class StepTimer:
     def means_ms(self) -> dict[str, float]:
         """Milliseconds per phase over the whole run."""
         return {phase: 1000 * seconds / max(self.total_steps, 1) for phase, seconds in self.total.items()}
+
+
+class Meters:
+    """What a rank measures over a run, on the clock of ``devices``: training and evaluation time (time to
+    accuracy counts training only), images/s, the step split, and the most parameter, gradient and optimizer
+    bytes it held after a step."""
+
+    def __init__(
+        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int
+    ) -> None:
+        self.train_time, self.eval_time = Stopwatch(devices), Stopwatch(devices)
+        self.throughput = Throughput(devices, warmup)
+        self.step_timer = StepTimer(devices, model, optimizer)
+        self.state_bytes = 0
 
 
 def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:

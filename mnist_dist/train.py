@@ -1,9 +1,10 @@
-"""The worker: build → run the epochs (train, evaluate) → finish, the same code in every mode and on every rank.
+"""The worker: build → the epochs (train, evaluate) → finish, the same code in every mode and on every rank.
 
 It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the
 network: the parent prepared the data before this process existed. A resumed run reads its checkpoint
 once, in ``train``; ``build`` puts the weights into the plain model and ``resume.restore`` the rest. What one
-step computes (the optimizer step, evaluation) is in mnist_dist/step.py; this module runs the loop.
+step computes (the optimizer step, evaluation) is in mnist_dist/step.py, what is measured on the way in
+mnist_dist/metrics.py; this module runs the loop.
 """
 
 from __future__ import annotations
@@ -23,83 +24,79 @@ from torch import nn
 
 from mnist_dist.config import Config
 from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
-from mnist_dist.metrics import (
-    StepTimer,
-    Stopwatch,
-    Throughput,
-    all_gather,
-    ddp_counters_ms,
-    job_images_per_s,
-    state_bytes,
-)
+from mnist_dist.metrics import Meters, StepTimer, all_gather, ddp_counters_ms, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.operations import checkpoint, preemption, profiling
 from mnist_dist.operations.console import Progress
 from mnist_dist.operations.errors import FILE_ONLY, NoFollowFileHandler, console_handler, log_thread_errors
 from mnist_dist.operations.results import finish
-from mnist_dist.operations.resume import diverged_advice, restore, save_checkpoint
-from mnist_dist.operations.tensorboard import Scalars
-from mnist_dist.step import Precision, TrainingDiverged, check_finite, evaluate_as_saved, train_step
+from mnist_dist.operations.resume import Losses, restore, save_checkpoint
+from mnist_dist.operations.tensorboard import Scalars, window_tags
+from mnist_dist.step import Precision, TrainingDiverged, evaluate_as_saved, train_step
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")
 
 
 @dataclass
+class Learner:
+    """The wrapped model and what updates it: what a checkpoint saves besides the run's position."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    per_step: bool  # a schedule over all steps (OneCycle) steps after each; the others after each epoch
+    precision: Precision
+
+
+@dataclass
+class Score:
+    """The last evaluation, and the first that reached ``cfg.target_accuracy``."""
+
+    loss: float = float("nan")
+    accuracy: float = float("nan")
+    steps_to_target: int | None = None
+    time_to_target_s: float | None = None  # training time (meters.train_time) up to that step
+
+
+@dataclass
 class Run:
-    """What a worker builds once and every step of it uses."""
+    """What a worker builds once and its steps share; mnist_dist/operations/results.py and resume.py read it."""
 
     cfg: Config
     topology: Topology
     run_dir: Path
     config_yaml: str
     scalars: Scalars
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    precision: Precision
-    throughput: Throughput
-    timer: StepTimer
+    train_set: tuple[torch.Tensor, torch.Tensor]  # images and labels, on the device
+    test_set: tuple[torch.Tensor, torch.Tensor]
+    learner: Learner
+    meters: Meters  # this rank's clocks and counts
     progress: Progress | None = None  # set once the run knows where it starts
     profiler: torch.profiler.profile | None = None  # profile=true
-    first_epoch: int = 1
-    skip: int = 0  # steps of first_epoch a mid-epoch checkpoint had done
+    start: tuple[int, int] = (1, 0)  # the first epoch, and the steps of it a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
-    test_loss: float = float("nan")
-    test_accuracy: float = float("nan")
-    state_bytes: int = 0  # the most parameter, gradient and optimizer bytes this rank held after a step
-    evaluated_step: int = -1  # the step whose model test_loss and test_accuracy describe
-    steps_to_target: int | None = None  # the first evaluated step at or above cfg.target_accuracy
-    time_to_target_s: float | None = None  # training time (train_clock) up to that step
-    scheduler_per_step: bool = False  # a schedule over all steps (OneCycle), not stepped per epoch
-    window_losses: list[torch.Tensor] = field(default_factory=list)  # this log window's, on the device
-    good_checkpoint: tuple[Path, int] | None = None  # the newest checkpoint (path, step): checked when written
-
-    def __post_init__(self) -> None:
-        self.train_clock, self.eval_clock = Stopwatch(self.throughput.devices), Stopwatch(self.throughput.devices)
+    losses: Losses = field(default_factory=Losses)  # this log window's, and the checkpoint last checked
+    score: Score = field(default_factory=Score)
 
 
 def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict:
     """Trains and evaluates; rank 0 writes checkpoints and results.json. Returns the results."""
     started = time.perf_counter()
     setup_logging(run_dir, topology.rank)
-    device = topology.device  # mnist_dist.topology.setup_process set this process up
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
     # On resume, TensorBoard keeps what was logged up to the checkpoint and drops what came after it.
     resumed_at = (resumed["step"], 1000 * resumed["meters"][0]["train_s"]) if resumed else None
     scalars = Scalars(run_dir, topology.rank, resumed_at)
     try:
-        run = build(cfg, topology, run_dir, raw_dir, device, scalars, resumed)
-        for epoch in range(run.first_epoch, cfg.epochs + 1):
+        run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
+        first_epoch, done = run.start
+        for epoch in range(first_epoch, cfg.epochs + 1):
             epoch_started = time.perf_counter()
-            run_epoch(run, epoch)
-            evaluate_epoch(run, epoch, epoch_started)
-            if run.steps_to_target is not None:
+            evaluated = train_epoch(run, epoch, done if epoch == first_epoch else 0)
+            end_epoch(run, epoch, epoch_started, evaluated)
+            if run.score.steps_to_target is not None:
                 break
         if run.profiler:
             run.profiler.stop()
@@ -114,48 +111,24 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
         scalars.close()
 
 
-def build(
-    cfg: Config,
-    topology: Topology,
-    run_dir: Path,
-    raw_dir: Path,
-    device: torch.device,
-    scalars: Scalars,
-    resumed: dict | None,
-) -> Run:
+def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars: Scalars, resumed: dict | None) -> Run:
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
         log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
         checkpoint.save_text(config_yaml, run_dir / "config.yaml")  # replaces a planted symlink, never follows it
-    train_x, train_y = to_device_tensors(*load_split(raw_dir, train=True), cfg.data.mean, cfg.data.std, device)
-    test_x, test_y = to_device_tensors(*load_split(raw_dir, train=False), cfg.data.mean, cfg.data.std, device)
-    if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
-        train_x, test_x = (t.contiguous(memory_format=torch.channels_last) for t in (train_x, test_x))
+    device = topology.device  # mnist_dist.topology.setup_process set this process up
+    train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)
     random.seed(cfg.seed + topology.rank)
     torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
     optimizer = instantiate(cfg.optim)(model.parameters())
-    steps = steps_per_epoch(len(train_x), cfg.batch_size)
+    steps = steps_per_epoch(len(train_set[0]), cfg.batch_size)
     scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, steps * cfg.epochs)
-    run = Run(
-        cfg,
-        topology,
-        run_dir,
-        config_yaml,
-        scalars,
-        train_x,
-        train_y,
-        test_x,
-        test_y,
-        model,
-        optimizer,
-        scheduler,
-        Precision(cfg.amp, device),
-        Throughput(topology.devices, cfg.warmup_steps),  # dp and split: every device they compute on
-        StepTimer(topology.devices, model, optimizer),
-        scheduler_per_step=per_step,
-    )
+    learner = Learner(model, optimizer, scheduler, per_step, Precision(cfg.amp, device))
+    # dp and split: the meters wait for every device they compute on
+    meters = Meters(topology.devices, model, optimizer, cfg.warmup_steps)
+    run = Run(cfg, topology, run_dir, config_yaml, scalars, train_set, test_set, learner, meters)
     if resumed:
         restore(run, resumed)
     if cfg.profile:
@@ -163,14 +136,24 @@ def build(
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     log.info(
         "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
-        cfg.mode.name,
-        topology.device_type,
-        topology.world_size,
-        cfg.batch_size,
-        cfg.batch_size // topology.world_size,
-        steps,
+        *(
+            cfg.mode.name,
+            topology.device_type,
+            topology.world_size,
+            cfg.batch_size,
+            cfg.batch_size // topology.world_size,
+            steps,
+        ),
     )
     return run
+
+
+def load_data(cfg: Config, raw_dir: Path, train: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split's images, normalised, and labels, on ``device``."""
+    x, y = to_device_tensors(*load_split(raw_dir, train=train), cfg.data.mean, cfg.data.std, device)
+    if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
 
 
 def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
@@ -186,40 +169,57 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     return model
 
 
-def run_epoch(run: Run, epoch: int) -> None:
-    """One pass over the training set: this rank's share of every global batch, in the epoch's order."""
-    cfg, rank = run.cfg, run.topology.rank
-    run.model.train()
-    order = epoch_order(len(run.train_x), cfg.seed, epoch).to(run.train_x.device)
+def train_epoch(run: Run, epoch: int, done: int) -> bool:
+    """One pass over the training set after its first ``done`` steps: this rank's share of every global batch,
+    in the epoch's order. True when its last step's model was evaluated (``eval_every_steps``)."""
+    cfg, learner, meters, (train_x, train_y) = run.cfg, run.learner, run.meters, run.train_set
+    learner.model.train()
+    order = epoch_order(len(train_x), cfg.seed, epoch).to(train_x.device)
+    batches = rank_batches(order, cfg.batch_size, run.topology.rank, run.topology.world_size)
     run.progress.set_epoch(epoch, cfg.epochs)
-    batches = rank_batches(order, cfg.batch_size, rank, run.topology.world_size)
-    done, run.skip = run.skip, 0  # after a mid-epoch checkpoint: go on from its position
-    if not done:
-        run.window_losses = []  # kept on the device: no sync per step
-    run.train_clock.start()
+    if not done:  # after a mid-epoch checkpoint, its log window goes on
+        run.losses.window = []
+    evaluated = False
+    meters.train_time.start()
     for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
-        run.timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
-        x, y = run.train_x[indices], run.train_y[indices]
-        run.timer.mark("data")
-        loss = train_step(run.model, run.optimizer, x, y, run.precision, cfg.accumulate, cfg.label_smoothing)
-        if run.scheduler_per_step:
-            run.scheduler.step()
-        run.window_losses.append(loss.detach())
-        run.throughput.step(len(indices))
+        meters.step_timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
+        x, y = train_x[indices], train_y[indices]
+        meters.step_timer.mark("data")
+        loss = train_step(
+            learner.model, learner.optimizer, x, y, learner.precision, cfg.accumulate, cfg.label_smoothing
+        )
+        if learner.per_step:
+            learner.scheduler.step()
+        run.losses.window.append(loss.detach())  # kept on the device: no sync per step
+        meters.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
-            run.state_bytes = max(run.state_bytes, state_bytes(run.model, run.optimizer))  # gradients still held
-            losses = check_finite(torch.stack(run.window_losses), run.step, rank, diverged_advice(run))
-            log_window(run, losses.mean().item())
-            run.window_losses = []
+            log_window(run)
         run.progress.step()
         between_steps(run, epoch, position)
-        if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0 and evaluate_now(run):
+        evaluated = cfg.eval_every_steps > 0 and run.step % cfg.eval_every_steps == 0
+        if evaluated and evaluate(run):
             break  # the target is reached
-    run.train_clock.stop()
-    if run.window_losses:  # the epoch's last steps, short of a full window
-        check_finite(torch.stack(run.window_losses), run.step, rank, diverged_advice(run))
-    run.throughput.pause()
+    meters.train_time.stop()
+    run.losses.check(run.step, run.topology.rank)  # the epoch's last steps, short of a full window
+    meters.throughput.pause()
+    return evaluated
+
+
+def log_window(run: Run) -> None:
+    """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
+    learner, meters = run.learner, run.meters
+    meters.state_bytes = max(meters.state_bytes, state_bytes(learner.model, learner.optimizer))  # gradients held
+    loss = run.losses.check(run.step, run.topology.rank).mean().item()
+    run.losses.window = []
+    images, seconds = meters.throughput.lap() or (0, 0.0)
+    counters = ddp_counters_ms(learner.model)  # the same keys on every rank: the DDP modes have them, others not
+    gathered = all_gather([loss, images, seconds, *meters.step_timer.lap().values(), *counters.values()])
+    if run.topology.rank == 0:
+        tags = window_tags(gathered, [*StepTimer.PHASES, *counters])
+        tags["train/lr"] = learner.optimizer.param_groups[0]["lr"]
+        run.progress.numbers(tags["train/loss_global"], tags.get("perf/images_per_s_global"))
+        run.scalars.add(run.step, **tags)
 
 
 def between_steps(run: Run, epoch: int, position: int) -> None:
@@ -227,7 +227,7 @@ def between_steps(run: Run, epoch: int, position: int) -> None:
     checkpoint, and a stop that a scheduler asked for (mnist_dist/operations/preemption.py)."""
     if run.profiler:
         run.profiler.step()
-    every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_x), run.cfg.batch_size)
+    every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_set[0]), run.cfg.batch_size)
     stop = preemption.requested(run.step)
     if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
         save_checkpoint(run, epoch - 1, position)
@@ -238,83 +238,45 @@ def between_steps(run: Run, epoch: int, position: int) -> None:
         )
 
 
-def evaluate_now(run: Run) -> bool:
+def evaluate(run: Run) -> bool:
     """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
     rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
-    run.throughput.pause()  # the next step starts its clock again
-    with run.train_clock.paused():
-        run.eval_clock.start()
-        with run.precision.autocast():
-            run.test_loss, run.test_accuracy = evaluate_as_saved(
-                run.model,
-                run.test_x,
-                run.test_y,
-                run.cfg.test_batch_size,
-                run.topology.rank,
-                run.topology.world_size,
+    learner, meters, score, topology = run.learner, run.meters, run.score, run.topology
+    meters.throughput.pause()  # the next step starts its clock again
+    with meters.train_time.paused():
+        meters.eval_time.start()
+        with learner.precision.autocast():
+            score.loss, score.accuracy = evaluate_as_saved(
+                learner.model, *run.test_set, run.cfg.test_batch_size, topology.rank, topology.world_size
             )
-        run.eval_clock.stop()
-    if not math.isfinite(run.test_loss):  # the last step's update diverged: its training loss was still finite
+        meters.eval_time.stop()
+    if not math.isfinite(score.loss):  # the last step's update diverged: its training loss was still finite
         raise TrainingDiverged(
-            f"the test loss is {run.test_loss} after step {run.step} (rank {run.topology.rank}); {diverged_advice(run)}"
+            f"the test loss is {score.loss} after step {run.step} (rank {topology.rank}); {run.losses.advice()}"
         )
-    run.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
-    run.evaluated_step = run.step
-    target = run.cfg.target_accuracy
-    if target and run.test_accuracy >= target and run.steps_to_target is None:
-        run.steps_to_target, run.time_to_target_s = run.step, run.train_clock.seconds
-        log.info(
-            "target accuracy %.2f %% reached at step %d, %.1f s of training",
-            100 * target,
-            run.step,
-            run.time_to_target_s,
-        )
-    run.scalars.add(run.step, **{"test/loss": run.test_loss, "test/accuracy": run.test_accuracy})  # rank 0 writes
+    learner.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
+    target, train_s = run.cfg.target_accuracy, meters.train_time.seconds
+    if target and score.accuracy >= target and score.steps_to_target is None:
+        score.steps_to_target, score.time_to_target_s = run.step, train_s
+        log.info("target accuracy %.2f %% reached at step %d, %.1f s of training", 100 * target, run.step, train_s)
+    run.scalars.add(run.step, **{"test/loss": score.loss, "test/accuracy": score.accuracy})  # rank 0 writes
     # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
-    run.scalars.add(round(1000 * run.train_clock.seconds), **{"test/accuracy_by_train_ms": run.test_accuracy})
-    return run.steps_to_target is not None
+    run.scalars.add(round(1000 * train_s), **{"test/accuracy_by_train_ms": score.accuracy})
+    return score.steps_to_target is not None
 
 
-def evaluate_epoch(run: Run, epoch: int, epoch_started: float) -> None:
-    """Test loss and accuracy (unless this step's model was just evaluated), the scheduler's step, and
+def end_epoch(run: Run, epoch: int, started: float, evaluated: bool) -> None:
+    """Test loss and accuracy (unless the last step's model was just evaluated), the scheduler's step, and
     (rank 0) the scalars and the checkpoint."""
-    if run.evaluated_step != run.step:
-        evaluate_now(run)
-    if not run.scheduler_per_step:
-        run.scheduler.step()
-    epoch_seconds = time.perf_counter() - epoch_started
-    run.scalars.add(run.step, **{"perf/epoch_time_s": epoch_seconds})  # rank 0 writes
+    if not evaluated:
+        evaluate(run)
+    if not run.learner.per_step:
+        run.learner.scheduler.step()
+    seconds = time.perf_counter() - started
+    run.scalars.add(run.step, **{"perf/epoch_time_s": seconds})  # rank 0 writes
     save_checkpoint(run, epoch, 0)
-    log.info(
-        "epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s",
-        epoch,
-        run.test_loss,
-        100 * run.test_accuracy,
-        epoch_seconds,
-    )
-
-
-def log_window(run: Run, loss: float) -> None:
-    """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
-    images, seconds = run.throughput.lap() or (0, 0.0)
-    counters = ddp_counters_ms(run.model)  # the same keys on every rank: the DDP modes have them, others not
-    gathered = all_gather([loss, images, seconds, *run.timer.lap().values(), *counters.values()])
-    if run.topology.rank != 0:
-        return
-    tags = {}
-    names = [*StepTimer.PHASES, *counters]
-    for rank, (rank_loss, rank_images, rank_seconds, *times_ms) in enumerate(gathered):
-        tags[f"rank_{rank}/train/loss"] = rank_loss
-        if rank_seconds:
-            tags[f"rank_{rank}/perf/images_per_s"] = rank_images / rank_seconds
-        tags.update({f"rank_{rank}/time/{name}_ms": ms for name, ms in zip(names, times_ms, strict=True)})
-    global_loss = sum(values[0] for values in gathered) / len(gathered)
-    rate = job_images_per_s([(values[1], values[2]) for values in gathered])
-    tags.update({"train/loss_global": global_loss, "train/lr": run.optimizer.param_groups[0]["lr"]})
-    if rate:
-        tags["perf/images_per_s_global"] = rate
-    run.progress.numbers(global_loss, rate)
-    run.scalars.add(run.step, **tags)
+    score = run.score
+    log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, score.loss, 100 * score.accuracy, seconds)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

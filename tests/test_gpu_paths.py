@@ -17,7 +17,7 @@ from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import resume
-from mnist_dist.parallel import DistributedDataParallel
+from mnist_dist.parallel import DistributedDataParallel, timing
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.tools import baselines, bench
 from mnist_dist.topology import Topology, from_env, setup_process
@@ -195,23 +195,26 @@ def test_the_step_phases_of_dp_wait_for_the_compute_stream_of_every_device(monke
     assert timer.lap() == pytest.approx({"data": 1.0, "forward_backward": 10.0, "comm_wait": 0.0, "optimizer": 2.0})
 
 
-def test_throughput_and_stopwatch_wait_for_the_compute_stream_of_every_device(monkeypatch):
+def test_throughput_and_stopwatch_are_events_after_the_compute_stream_of_every_device(monkeypatch):
+    # They read the host's clock after synchronising every device from the host, a second clock beside the
+    # step split's: now they stamp the split's clock, on cuda:0 after cuda:1's queued work, and read its events.
     def device_wide(*args):
         raise AssertionError("a device-wide synchronise")
 
     monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
-    FakeStream.synchronized = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.TIMES, FakeEvent.recorded, FakeStream.waited = [0.0, 250.0, 1000.0, 3000.0], [], []
     devices = [torch.device("cuda:0"), torch.device("cuda:1")]  # dp on two GPUs
     clock = metrics.Stopwatch(devices)
     clock.start()
     clock.stop()
-    assert FakeStream.synchronized == devices * 2
+    assert clock.seconds == 0.25
     throughput = metrics.Throughput(devices, warmup_steps=0)
+    throughput.step(8)  # starts the clock: the first step is not timed in full
     throughput.step(8)
-    throughput.step(8)
-    throughput.lap()
-    assert FakeStream.synchronized == devices * 4
+    assert throughput.lap() == (8, 2.0)
+    assert FakeStream.waited == [(devices[0], devices[1])] * 4 and len(FakeEvent.recorded) == 4
 
 
 def test_the_devices_of_a_process(make_config):
@@ -396,10 +399,16 @@ def test_model_state_counts_both_ddps_buckets_alike(one_rank, bucket_cap_mb, as_
 
 def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
     # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
-    synchronized = []
-    monkeypatch.setattr(baselines, "synchronize", lambda devices: synchronized.append(devices))
+    stamped = []
+
+    class Clock(timing.StreamClock):
+        def now(self):
+            stamped.append(self.first)
+            return super().now()
+
+    monkeypatch.setattr(baselines, "StreamClock", Clock)
     result = baselines.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
-    assert result["images_per_s"] > 0 and synchronized == [[torch.device("cpu")]] * 2  # before each clock read
+    assert result["images_per_s"] > 0 and stamped == [torch.device("cpu")] * 2  # the start and the end
     commands = []
 
     def fake_run(command, **kwargs):

@@ -22,7 +22,7 @@ log = logging.getLogger("mnist_dist")
 
 def finish(run: Run, wall_time_s: float) -> dict:
     """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
-    cfg, topology = run.cfg, run.topology
+    cfg, topology, meters, score = run.cfg, run.topology, run.meters, run.score
     peaks = cuda_peak_mib(topology.devices)
     results = {
         "mode": cfg.mode.name,  # the choice (dp_block, not dp)
@@ -30,29 +30,31 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "device": topology.device_type,
         "epochs": cfg.epochs,
         "batch_size": cfg.batch_size,
-        "test_accuracy": run.test_accuracy,
-        "test_loss": run.test_loss,
+        "test_accuracy": score.accuracy,
+        "test_loss": score.loss,
         "steps": run.step,
         # Time to accuracy: training time only, without evaluation (eval_time_s); null when not reached.
         "target_accuracy": cfg.target_accuracy or None,
-        "steps_to_target": run.steps_to_target,
-        "time_to_target_s": run.time_to_target_s,
-        "train_time_s": run.train_clock.seconds,
-        "eval_time_s": run.eval_clock.seconds,
-        "train_images_per_s": job_images_per_s(all_gather([run.throughput.total_images, run.throughput.total_seconds])),
+        "steps_to_target": score.steps_to_target,
+        "time_to_target_s": score.time_to_target_s,
+        "train_time_s": meters.train_time.seconds,
+        "eval_time_s": meters.eval_time.seconds,
+        "train_images_per_s": job_images_per_s(
+            all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
+        ),
         "wall_time_s": wall_time_s,
-        "step_time_ms": run.timer.means_ms(),  # rank 0's, from the sampled steps
+        "step_time_ms": meters.step_timer.means_ms(),  # rank 0's, from the sampled steps
         # ddp and torch_ddp: the wrapper's own backward compute, communication and overlap (rank 0's, ms)
-        "ddp_backward_ms": ddp_counters_ms(run.model) or None,
+        "ddp_backward_ms": ddp_counters_ms(run.learner.model) or None,
         "peak_rss_mib": per_rank(peak_rss_mib()),
         # per rank, its fullest device; by device: rank 0's, every device of dp and split
         "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
         "cuda_max_allocated_mib_by_device": peaks,
         # Parameters, gradients, optimizer state and DDP buckets held after a step, from their storage: shards in fsdp.
-        "model_state_mib": per_rank(run.state_bytes / 2**20),
+        "model_state_mib": per_rank(meters.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
-    saved_model = model_state(run.model)  # a collective in fsdp
+    saved_model = model_state(run.learner.model)  # a collective in fsdp
     if topology.rank == 0:
         checkpoint.save(saved_model, run.run_dir / "model.pt")
         checkpoint.save_json(results, run.run_dir / "results.json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,16 +23,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("mnist_dist")
 
 
+@dataclass
+class Losses:
+    """The training losses of this log window, kept on the device (no sync per step), and the newest checkpoint
+    known to be good, which a divergence error names."""
+
+    window: list[torch.Tensor] = field(default_factory=list)
+    good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written
+
+    def check(self, step: int, rank: int) -> torch.Tensor | None:
+        """The window's losses, up to ``step``; TrainingDiverged names the first that is not finite."""
+        return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
+
+    def advice(self) -> str:
+        """What a divergence error says to do; the checkpoint it names was checked before it was written."""
+        if self.good_checkpoint is None:
+            return "lower optim.lr or check the data (no checkpoint was written before it)"
+        path, step = self.good_checkpoint
+        return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
+
+
 def restore(run: Run, resumed: dict) -> None:
     """Puts a checkpoint's optimizer, scheduler, loss scale, random state and position into ``run``."""
-    state.load_optimizer_state(run.model, run.optimizer, resumed["optimizer"])
-    run.scheduler.load_state_dict(resumed["scheduler"])
-    run.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-    run.first_epoch, run.skip, run.step = resumed["epoch"] + 1, resumed["epoch_step"], resumed["step"]
+    learner = run.learner
+    state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
+    learner.scheduler.load_state_dict(resumed["scheduler"])
+    learner.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
+    run.start, run.step = (resumed["epoch"] + 1, resumed["epoch_step"]), resumed["step"]
     restore_rng(resumed["rng"], run.topology.rank)
     restore_meters(run, resumed["meters"])
-    run.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
-    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.first_epoch, run.step)
+    run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)  # checkpoint.load refuses non-finite weights
+    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.start[0], run.step)
 
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
@@ -40,23 +62,24 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     check runs every ``log_every`` steps and checkpoints at their own steps, so the losses since the last
     check are checked here, and rank 0 checks the weights it writes (a step's update can diverge while its
     loss was finite)."""
-    if run.window_losses:
-        check_finite(torch.stack(run.window_losses), run.step, run.topology.rank, diverged_advice(run))
+    learner = run.learner
+    run.losses.check(run.step, run.topology.rank)
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
     rng = rng_states_of_all_ranks()
     meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
-    model_state, optimizer_state = state.model_state(run.model), state.optimizer_state(run.model, run.optimizer)
+    model_state = state.model_state(learner.model)
+    optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
         poisoned = first_non_finite(model_state)
         if poisoned:
             raise TrainingDiverged(
-                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {diverged_advice(run)}"
+                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
             )
         saved = {
             "model": model_state,
             "optimizer": optimizer_state,
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.precision.scaler.state_dict(),
+            "scheduler": learner.scheduler.state_dict(),
+            "scaler": learner.precision.scaler.state_dict(),
             "epoch": epoch,
             "epoch_step": epoch_step,
             "step": run.step,
@@ -67,39 +90,33 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "format": checkpoint.FORMAT,
         }
         checkpoint.save_kept(saved, run.run_dir / "checkpoint.pt", run.cfg.keep_checkpoints)
-    run.good_checkpoint = (run.run_dir / "checkpoint.pt", run.step)
-
-
-def diverged_advice(run: Run) -> str:
-    """What a divergence error says to do; the checkpoint it names was checked before it was written."""
-    if run.good_checkpoint is None:
-        return "lower optim.lr or check the data (no checkpoint was written before it)"
-    path, step = run.good_checkpoint
-    return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
+    run.losses.good_checkpoint = (run.run_dir / "checkpoint.pt", run.step)
 
 
 def meters_of(run: Run, mid_epoch: bool) -> dict:
     """What this rank has counted so far, for a resumed run to go on counting: its clocks, its images and
     seconds, and mid-epoch the losses of the log window a checkpoint splits."""
+    meters = run.meters
     return {
-        "train_s": run.train_clock.read(),  # mid-epoch it is running
-        "eval_s": run.eval_clock.read(),
-        "images": run.throughput.total_images,
-        "images_s": run.throughput.total_seconds,
-        "window_losses": [loss.item() for loss in run.window_losses] if mid_epoch else [],
+        "train_s": meters.train_time.read(),  # mid-epoch it is running
+        "eval_s": meters.eval_time.read(),
+        "images": meters.throughput.total_images,
+        "images_s": meters.throughput.total_seconds,
+        "window_losses": [loss.item() for loss in run.losses.window] if mid_epoch else [],
     }
 
 
 def restore_meters(run: Run, by_rank: list[dict]) -> None:
     """A resumed run's clocks go on from rank 0's; each rank's counts and split log window from its own, on
     as many ranks as the checkpoint's (on another number, each rank's share is another: they start anew)."""
-    run.train_clock.seconds, run.eval_clock.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
+    meters = run.meters
+    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
     if len(by_rank) != run.topology.world_size:
         return
-    meters = by_rank[run.topology.rank]
-    run.throughput.total_images, run.throughput.total_seconds = meters["images"], meters["images_s"]
-    device = run.train_x.device
-    run.window_losses = [torch.tensor(loss, device=device) for loss in meters["window_losses"]]
+    mine = by_rank[run.topology.rank]
+    meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
+    device = run.train_set[0].device
+    run.losses.window = [torch.tensor(loss, device=device) for loss in mine["window_losses"]]
 
 
 def gather_objects(mine: Any) -> list:

@@ -22,6 +22,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
+from mnist_dist.metrics import job_images_per_s
 from mnist_dist.operations import files
 
 # CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
@@ -64,6 +65,22 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
     events.Reload()
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def window_tags(gathered: list[list[float]], names: list[str]) -> dict[str, float]:
+    """One log window's tags from every rank's ``[loss, images, seconds, *milliseconds]``, by rank (``names``
+    says what each millisecond figure is): each rank's own, and the mean loss and the job's images/s."""
+    tags = {}
+    for rank, (loss, images, seconds, *times_ms) in enumerate(gathered):
+        tags[f"rank_{rank}/train/loss"] = loss
+        if seconds:
+            tags[f"rank_{rank}/perf/images_per_s"] = images / seconds
+        tags.update({f"rank_{rank}/time/{name}_ms": ms for name, ms in zip(names, times_ms, strict=True)})
+    tags["train/loss_global"] = sum(row[0] for row in gathered) / len(gathered)
+    rate = job_images_per_s([(row[1], row[2]) for row in gathered])
+    if rate:
+        tags["perf/images_per_s_global"] = rate
+    return tags
 
 
 def custom_scalars_summary() -> Summary:

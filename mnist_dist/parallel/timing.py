@@ -1,8 +1,8 @@
 """Time stamps on the compute stream, and our DDP's backward counters built from them.
 
-``StreamClock`` is the one clock of the project: CUDA events recorded on the device's current (compute)
-stream, which nothing waits for when a stamp is taken, or the host's clock on a CPU. What torch DDP's
-reducer times with.
+``StreamClock`` is the one clock of the project: CUDA events recorded on the compute (current) stream, which
+nothing waits for when a stamp is taken, or the host's clock on a CPU; a duration is read once its end is
+reached. What torch DDP's reducer times with, and what the trainer's meters (mnist_dist/metrics.py) read.
 
 ``BackwardClock`` is what the app attaches to our DistributedDataParallel as ``model.clock``. torch DDP
 (reducer.cpp, ``_get_ddp_logging_data()``) stamps, in each sampled iteration: backward compute start (the
@@ -21,6 +21,7 @@ way. Of the last backward it also keeps comm end - compute end: the wait that ba
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -29,27 +30,34 @@ _KEPT = 100  # backwards not yet read: CUDA events waiting to be; the oldest go 
 
 
 class StreamClock:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    """Stamps on the compute stream of the first of ``devices``, after the work queued so far on the others'
+    (dp computes on every GPU of its process): a device-side wait, so taking a stamp never blocks the host."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.first, *self.others = devices
 
     def now(self) -> float | torch.cuda.Event:
-        if self.device.type != "cuda":
+        if self.first.type != "cuda":
             return time.perf_counter()
+        for other in self.others:
+            torch.cuda.current_stream(self.first).wait_stream(torch.cuda.current_stream(other))
         event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream of the current device: each rank set its own
+        event.record()  # on the current stream of the current device (the first): each rank set its own
         return event
 
     def seconds(self, start, end) -> float:
         """Seconds from stamp ``start`` to the later ``end``; on CUDA it waits for ``end`` to be reached."""
-        if self.device.type != "cuda":
+        if self.first.type != "cuda":
             return end - start
+        # The end's event, not torch.cuda.synchronize(): that also waits for the side streams (NCCL's, our
+        # DDP's), i.e. for communication the compute stream never waited for.
         end.synchronize()
         return start.elapsed_time(end) / 1000
 
 
 class BackwardClock:
     def __init__(self, device: torch.device) -> None:
-        self.clock = StreamClock(device)
+        self.clock = StreamClock([device])
         self.enabled = True
         self._current: dict = {}
         self._pending: list[dict] = []  # complete backwards, not yet added up

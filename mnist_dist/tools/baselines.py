@@ -5,20 +5,20 @@ on one resident batch, nothing else). ``python -m mnist_dist.tools.bench`` runs 
 from __future__ import annotations
 
 import resource
-import time
 from pathlib import Path
 
 import torch
 
 from mnist_dist.config import Config
-from mnist_dist.metrics import state_bytes, synchronize
+from mnist_dist.metrics import state_bytes
+from mnist_dist.parallel.timing import StreamClock
 from mnist_dist.step import Precision, train_step
 from mnist_dist.topology import kernel_policy
 
 
 def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
-    """The two cases written in the benchmark itself, in this process, on ``device``, the clock read with
-    its compute stream synchronised and the trainer's kernels (TF32 and determinism) chosen as the trainer
+    """The two cases written in the benchmark itself, in this process, on ``device``, timed on the trainer's
+    clock (its compute stream) and with the trainer's kernels (TF32 and determinism) chosen as the trainer
     does, so that their ratios to the trainer's cases compare the same device and arithmetic."""
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
@@ -41,14 +41,13 @@ def measure_here(case: str, root: Path, batch: int, steps: int, warmup: int, dev
     else:
         resident = (torch.randn(batch, 1, 28, 28, device=device), torch.randint(0, 10, (batch,), device=device))
         batches = iter(lambda: resident, None)
+    clock = StreamClock([device])
     for step in range(warmup + steps):
         if step == warmup:
-            synchronize([device])
-            started = time.perf_counter()
+            started = clock.now()
         x, y = next(batches)
         train_step(model, optimizer, x.to(device), y.to(device), precision)
-    synchronize([device])
-    seconds = time.perf_counter() - started
+    seconds = clock.seconds(started, clock.now())
     return {
         "images_per_s": steps * batch / seconds,
         "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
