@@ -48,7 +48,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     """
     if launcher():
         return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= checked there, with the world size
-    cfg, run_dir = _resume(cfg, run_dir, overrides)
+    cfg, run_dir, resumed = _resume(cfg, run_dir, overrides)
     topology = resolve(cfg)
     mode = MODES[cfg.mode.name]
     guards.check_cpu_capacity(topology)
@@ -59,6 +59,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+    compatibility.check_position(resumed, cfg.batch_size, data_dir)
     log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if mode.processes is Processes.ONE:
         return _worker(cfg, run_dir, data_dir, topology)
@@ -97,20 +98,22 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
     topology = from_env(cfg)
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
     run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
-    cfg, run_dir = _resume(cfg, run_dir, overrides, topology.world_size)
+    cfg, run_dir, resumed = _resume(cfg, run_dir, overrides, topology.world_size)
     if topology.local_rank == 0:
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
     data_dir = raw_dir(cfg.data.name, data_root(cfg))
     guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+    compatibility.check_position(resumed, cfg.batch_size, data_dir)
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)
 
 
-def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0) -> tuple[Config, Path]:
+def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0) -> tuple[Config, Path, dict | None]:
     """Checks what ``resume=`` names before anything is overwritten; returns the config the run goes on with
-    (the checkpoint's own, with what the command line sets) and the directory it goes on in.
+    (the checkpoint's own, with what the command line sets), the directory it goes on in, and the checkpoint
+    (None for a fresh run).
 
     ``auto`` resumes ``run_dir``'s newest readable checkpoint if it has one, else starts fresh: what a
     restarted torchrun job or a requeued SLURM job, relaunched with the same command, needs.
@@ -120,7 +123,7 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
         rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced
-        return cfg, run_dir
+        return cfg, run_dir, None
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
     cfg = compatibility.resumed_config(state, cfg, overrides)
@@ -135,7 +138,7 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str], ranks: int = 0
             state["world_size"],
             ranks,
         )
-    return cfg, path.parent  # the run goes on in its own directory
+    return cfg, path.parent, state  # the run goes on in its own directory
 
 
 def _check_port(port: int) -> None:
