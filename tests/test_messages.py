@@ -49,3 +49,15 @@ def test_compare_of_a_run_shorter_than_log_every_is_one_line(tiny_root, tmp_path
         f"error: {run_dir.relative_to(tmp_path)} logged no training loss: its run took fewer steps than "
         "log_every; pass a smaller log_every= or more epochs="
     )
+
+
+# --- issue 38: messages that said something else than what was wrong ----------------------------------------
+
+
+def test_a_run_directory_where_no_lock_can_be_made_says_so(tiny_root, cli_in_process):
+    # before: "cannot write /proc/self/.run.lock: No such file or directory" (and "in use by another run")
+    code = cli_in_process(f"data.root={tiny_root}", "data.mirrors=[]", "hydra.run.dir=/proc/self")
+    assert code == (
+        "error: /proc/self cannot be a run directory: its lock /proc/self/.run.lock cannot be created (No such file "
+        "or directory); pass a directory the run can write to as hydra.run.dir"
+    )
