@@ -2,7 +2,12 @@
 are beside the code they test: an empty split in test_data, leftover torchrun variables in test_slurm, a
 killed forkserver in test_spawn."""
 
+import subprocess
+import sys
+
 import pytest
+from helpers import HANG_S
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mnist_dist.config import ConfigError, validate
 from mnist_dist.tools import compare
@@ -61,3 +66,20 @@ def test_a_run_directory_where_no_lock_can_be_made_says_so(tiny_root, cli_in_pro
         "error: /proc/self cannot be a run directory: its lock /proc/self/.run.lock cannot be created (No such file "
         "or directory); pass a directory the run can write to as hydra.run.dir"
     )
+
+
+@pytest.mark.parametrize("char", ["\u2014", "\u00e9"])  # an em dash, an accented letter
+def test_a_character_hydra_reads_only_quoted_is_one_line_saying_to_quote_it(tmp_path, char):
+    # before: "error: LexerNoViableAltException: hydra.run.dir=..."
+    override = f"hydra.run.dir={tmp_path}/a{char}b"
+    result = subprocess.run(
+        [sys.executable, "-m", "mnist_dist", override], capture_output=True, text=True, timeout=HANG_S
+    )
+    quoted = f'hydra.run.dir="{tmp_path}/a{char}b"'
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: {override}: Hydra's override syntax takes {char!r} only in a quoted value; quote it: '{quoted}'\n",
+    )
+    (parsed,) = OverridesParser.create().parse_overrides([quoted])
+    assert parsed.value() == f"{tmp_path}/a{char}b"  # what it says to pass is the path
+    assert list(tmp_path.iterdir()) == []
