@@ -58,7 +58,7 @@ def spawn(
 
     A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
-    ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
+    ``log_path.format(rank=rank)`` if ``fn`` wrote one there (e.g. ``"run/rank_{rank}.log"``); without
     ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
     too (the workers never see SIGINT themselves, though a terminal sends it to them: only this process
     answers it), and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that
