@@ -2,6 +2,7 @@
 job's store is its own; a rank that stops responding, or a killed forkserver, is named."""
 
 import ast
+import contextlib
 import json
 import multiprocessing.forkserver
 import os
@@ -274,3 +275,55 @@ def test_a_rank_that_failed_before_opening_its_log_names_none(tmp_path):
             _fails_before_its_log, 2, str(tmp_path), log_path=f"{tmp_path}/rank_{{rank}}.log", start_method="forkserver"
         )
     assert str(error.value) == "rank 0 failed: RuntimeError: failed before its log was opened"
+
+
+_INTERRUPTED_WHILE_IMPORTING = """
+import os, signal, sys
+import slow_import
+from mnist_dist.parallel import spawn
+
+def stop(signum, frame):
+    raise KeyboardInterrupt  # as mnist_dist's commands answer SIGTERM
+
+signal.signal(signal.SIGTERM, stop)
+os.environ["MNIST_DIST_BLOCK_IMPORT"] = sys.argv[1]  # for the forkserver, which starts now
+try:
+    spawn(slow_import.idle, 2, start_method="forkserver")
+except KeyboardInterrupt:
+    sys.exit(143)
+"""
+
+
+def _alive_in_session(session: int) -> list[int]:
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):  # fields: state, ppid, pgrp, session
+            found.append(int(stat_file.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_job_interrupted_while_its_forkserver_imports_leaves_no_process(tmp_path):
+    # before: the forkserver went on importing (6-8 s of torch in the app), then forked a worker for nobody
+    importing = tmp_path / "importing"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_IMPORTING, str(importing)], start_new_session=True, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 300  # torch's import first, on a loaded machine: no time bound
+        while not importing.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert importing.exists(), "the forkserver never got to the import: the test proves nothing"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 143
+        deadline = time.monotonic() + 60  # a process of the job that is exiting gets the time to finish
+        while _alive_in_session(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive_in_session(launcher.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)

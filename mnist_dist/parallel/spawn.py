@@ -93,7 +93,10 @@ def spawn(
         _start(workers, start_method)
         supervise(workers, reports, beats, log_path, start_method)
     finally:
+        unstarted = [worker for worker in workers if worker.pid is None]  # Ctrl-C before every start
         stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
+        if unstarted and start_method == "forkserver":
+            _stop_forkserver()
         del store  # closes the listening socket
         shutil.rmtree(private, ignore_errors=True)
 
@@ -139,6 +142,16 @@ def _start(workers: list, start_method: str) -> None:
     if start_method == "forkserver":  # waits for the server's imports: Ctrl-C stays this process's meanwhile
         for worker in workers:
             worker.start()
+
+
+def _stop_forkserver() -> None:
+    """Kills the forkserver and waits for it: interrupted while it still imports torch, it would import on for
+    seconds after this process exits, holding multiprocessing's resource tracker too. The next job starts a new one."""
+    server = multiprocessing.forkserver._forkserver  # no public way to stop it
+    if server._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()  # reaps it and forgets its address
 
 
 @contextlib.contextmanager
