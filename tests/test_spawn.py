@@ -171,6 +171,25 @@ def test_another_client_lists_no_key_of_the_job_and_cannot_open_its_store(tmp_pa
     assert mode == 0o700 and not Path(path).parent.exists()  # private while the job ran, removed after it
 
 
+def _as_another_user(rank: int, world_size: int) -> dict:
+    """What the user nobody can do to the job's store while it runs: list its directory, read its file; and, to
+    show that acting as nobody works at all, list /."""
+    path = Path(os.environ["MNIST_DIST_SPAWN_STORE"])
+    dist.barrier()  # every rank has met in the store: its keys are all written
+    tries = {"list": ["ls", str(path.parent)], "read": ["cat", str(path)], "list /": ["ls", "/"]}
+    nobody = {"user": 65534, "group": 65534, "extra_groups": [], "capture_output": True}
+    done = {what: subprocess.run(command, **nobody).returncode == 0 for what, command in tries.items()}
+    dist.barrier()  # rank 1 keeps the job alive meanwhile
+    return done
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user needs root")
+def test_another_local_user_can_neither_list_nor_read_the_store(tmp_path):
+    """issue 38, as another OS user (nobody): the store's directory is 0700, its file out of reach."""
+    done = run_ranks(_as_another_user, 2, tmp_path)
+    assert done[0] == {"list": False, "read": False, "list /": True}
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
