@@ -204,6 +204,7 @@ def test_a_failed_bench_leaves_no_work_directory(tmp_path):
     assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_an_interrupted_bench_leaves_no_work_directory(tmp_path):
     env = _temp_in(tmp_path)
     command = [*BENCH, "--cases", "single", "--steps", "2000", "--out", str(tmp_path / "out")]

@@ -326,6 +326,7 @@ def _alive_in_session(session: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_a_job_interrupted_while_its_forkserver_imports_leaves_no_process(tmp_path):
     # before: the forkserver went on importing (6-8 s of torch in the app), then forked a worker for nobody
     importing = tmp_path / "importing"

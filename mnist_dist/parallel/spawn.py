@@ -93,10 +93,7 @@ def spawn(
         _start(workers, start_method)
         supervise(workers, reports, beats, log_path, start_method)
     finally:
-        unstarted = [worker for worker in workers if worker.pid is None]  # Ctrl-C before every start
         stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
-        if unstarted and start_method == "forkserver":
-            _stop_forkserver()
         del store  # closes the listening socket
         shutil.rmtree(private, ignore_errors=True)
 
@@ -140,8 +137,12 @@ def _start(workers: list, start_method: str) -> None:
             for worker in workers:
                 worker.start()
     if start_method == "forkserver":  # waits for the server's imports: Ctrl-C stays this process's meanwhile
-        for worker in workers:
-            worker.start()
+        try:
+            for worker in workers:
+                worker.start()
+        except BaseException:
+            _stop_forkserver()
+            raise
 
 
 def _stop_forkserver() -> None:
