@@ -219,8 +219,10 @@ def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = Non
         # mode=foo: name the group's options rather than Hydra's search path
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
-    if isinstance(error, OverrideParseException) and str(error).startswith(_LEXER):
-        return _to_quote(error)
+    if isinstance(error, OverrideParseException) and str(error).startswith("LexerNoViableAltException"):
+        key, _, value = error.override.partition("=")  # an em dash, an accented letter: Hydra takes them quoted
+        quote = f"the value holds a character Hydra's override syntax takes only quoted; quote it: '{key}=\"{value}\"'"
+        return f"{error.override}: {quote}"
     deleted = re.match(r"Could not delete from config\. '(\w+)\.([\w.]+)' does not exist", str(error))
     if deleted:
         group, key = deleted.groups()
@@ -244,20 +246,6 @@ def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = Non
             if chosen:
                 message += f"; {chosen[0]} has {', '.join(chosen[1])} (+{cause.full_key}=... adds a key)"
     return message
-
-
-_LEXER = "LexerNoViableAltException: "
-
-
-def _to_quote(error: OverrideParseException) -> str:
-    """An em dash, an accented letter: Hydra's grammar takes them in quoted values only (its caret marks the first)."""
-    caret = re.search(r"\n( *)\^", str(error))
-    at = len(caret.group(1)) - len(_LEXER) if caret else -1
-    what = repr(error.override[at]) if 0 <= at < len(error.override) else "some characters"
-    key, _, value = error.override.partition("=")
-    return (
-        f"{error.override}: Hydra's override syntax takes {what} only in a quoted value; quote it: '{key}=\"{value}\"'"
-    )
 
 
 def _close(key: object, keys: Sequence[str]) -> str | None:

@@ -78,7 +78,8 @@ def test_a_character_hydra_reads_only_quoted_is_one_line_saying_to_quote_it(tmp_
     quoted = f'hydra.run.dir="{tmp_path}/a{char}b"'
     assert (result.returncode, result.stderr) == (
         1,
-        f"error: {override}: Hydra's override syntax takes {char!r} only in a quoted value; quote it: '{quoted}'\n",
+        f"error: {override}: the value holds a character Hydra's override syntax takes only quoted; quote it: "
+        f"'{quoted}'\n",
     )
     (parsed,) = OverridesParser.create().parse_overrides([quoted])
     assert parsed.value() == f"{tmp_path}/a{char}b"  # what it says to pass is the path
