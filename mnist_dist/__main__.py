@@ -73,7 +73,7 @@ def _run(cfg: DictConfig) -> None:
         outcome.finished = True
         exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
     except WorkerFailed as error:
-        outcome.keep_logs = True  # the line names the failed rank's log: its traceback is there
+        outcome.keep_logs = True  # the line names the failed rank's log, if it wrote one: its traceback is there
         sys.exit(f"error: {error}")
     except (ConfigError, DataError, TrainingDiverged) as error:
         sys.exit(f"error: {error}")  # one line: what was wrong and what to do

@@ -22,7 +22,7 @@ from typing import Any
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import MissingConfigException
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -236,6 +236,10 @@ def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = Non
         # mode=foo: name the group's options rather than Hydra's search path
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
+    if isinstance(error, OverrideParseException) and str(error).startswith("LexerNoViableAltException"):
+        key, _, value = error.override.partition("=")  # an em dash, an accented letter: Hydra takes them quoted
+        quote = f"the value holds a character Hydra's override syntax takes only quoted; quote it: '{key}=\"{value}\"'"
+        return f"{error.override}: {quote}"
     deleted = re.match(r"Could not delete from config\. '(\w+)\.([\w.]+)' does not exist", str(error))
     if deleted:
         group, key = deleted.groups()

@@ -132,17 +132,27 @@ class ModelError(ConfigError):
     """``model._target_`` or its arguments do not build a model; the message is one line."""
 
 
+_NAME_A_MODULE = "name a torch.nn.Module class, e.g. mnist_dist.model.ConvNet"
+
+
 def instantiate_model(model_cfg) -> nn.Module:
     """``instantiate(model_cfg)``, or a ModelError that says what to change."""
     try:
-        return instantiate(model_cfg)
+        model = instantiate(model_cfg)
     except InstantiationException as error:
         raise ModelError(describe(error, model_cfg["_target_"])) from error
+    if not isinstance(model, nn.Module):
+        built = f"built an object of type {type(model).__name__}, not a torch.nn.Module"
+        raise ModelError(f"model._target_={model_cfg['_target_']} {built}; {_NAME_A_MODULE}")
+    return model
 
 
 def describe(error: InstantiationException, target: str) -> str:
     cause = error.__cause__
-    text = str(cause or error)
+    if cause is None:  # Hydra refused the target itself: its text tells how to lift its block, which is no advice
+        refused = "is not allowed: it is no model class, and Hydra refuses to call it from a config"
+        return f"model._target_={target} {refused}; {_NAME_A_MODULE}"
+    text = str(cause)
     if isinstance(cause, ImportError):
         # Hydra wraps the real error: 'Error loading ...:\nModuleNotFoundError("No module named ...")'
         inner = re.search(r'\w+Error\("(.+)"\)', text)

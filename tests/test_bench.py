@@ -2,11 +2,13 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers import assert_machine_fields
+from helpers import HANG_S, assert_machine_fields
 
 from mnist_dist.tools.bench import CASES, choose, markdown, report, skips
 from mnist_dist.tools.run import paired_ratio
@@ -128,8 +130,10 @@ def test_a_tiny_run_reports_what_it_measured(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=_temp_in(tmp_path),
     )
     assert result.returncode == 0, result.stderr
+    assert _work_left(tmp_path) == []
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert_machine_fields(saved["machine"])
     assert [run["torch_threads"] for run in saved["samples"]["single"]] == [os.cpu_count()]
@@ -162,3 +166,61 @@ def test_the_in_process_baselines_run_under_the_trainers_kernel_policy(tmp_path,
     baselines.measure_here("ceiling", tmp_path, batch=4, steps=1, warmup=0, device=torch.device("cpu"))
     assert Config.tf32 is False and Config.deterministic is True  # the trainer's defaults
     assert seen == [("ieee", True)]
+
+
+# --- issue 38: a bad count is one line, and no run leaves its work directory ------------------------------
+
+BENCH = [sys.executable, "-m", "mnist_dist.tools.bench", "--repeats", "1", "--batch", "16", "--warmup", "1"]
+
+
+@pytest.mark.parametrize(
+    "flag, value, least",
+    [("--steps", "-1", 1), ("--steps", "0", 1), ("--steps", "abc", 1), ("--repeats", "0", 1), ("--warmup", "-1", 0)],
+)
+def test_a_count_that_cannot_be_is_one_line_naming_the_flag(tmp_path, flag, value, least):
+    # before: --steps -1 ran and failed with a CalledProcessError traceback, 0 meant the default, abc printed the usage
+    command = [*BENCH, "--cases", "ceiling", "--steps", "2", flag, value, "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, env=_temp_in(tmp_path))
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"bench: argument {flag}: {value} must be a whole number, at least {least} (--help lists the options)\n",
+    )
+    assert _work_left(tmp_path) == [] and not (tmp_path / "out").exists()
+
+
+def _temp_in(tmp_path) -> dict:
+    """The environment with its temp folder in ``tmp_path``/tmp, where the bench's work directory goes."""
+    (tmp_path / "tmp").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+
+def _work_left(tmp_path) -> list:
+    """The bench's work directories left in the temp folder ``_temp_in`` made (torch may keep its caches there)."""
+    return list((tmp_path / "tmp").glob("mnist_dist_bench_*"))
+
+
+def test_a_failed_bench_leaves_no_work_directory(tmp_path):
+    # before: every bench run left its generated data and run directories (~20 MB) in the temp folder
+    command = [*BENCH, "--cases", "ddp", "--gpus", "3", "--steps", "2", "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, env=_temp_in(tmp_path))
+    assert result.returncode == 1 and result.stderr.startswith(
+        "bench: ddp failed: exit 1: error: batch_size=16 (global) is not divisible by 3 ranks"
+    ), result.stderr
+    assert _work_left(tmp_path) == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_an_interrupted_bench_leaves_no_work_directory(tmp_path):
+    env = _temp_in(tmp_path)
+    command = [*BENCH, "--cases", "single", "--steps", "2000", "--out", str(tmp_path / "out")]
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + HANG_S  # until the trainer runs (its run directory exists): no time bound
+        while not list((tmp_path / "tmp").glob("*/runs/*")) and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        bench.send_signal(signal.SIGTERM)
+        stderr = bench.communicate(timeout=HANG_S)[1]
+    finally:
+        bench.kill()
+    assert (bench.returncode, stderr.splitlines()[-1:]) == (143, ["interrupted; no report written"])
+    assert _work_left(tmp_path) == []

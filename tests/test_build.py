@@ -31,6 +31,27 @@ def test_a_constructor_without_dropout_suggests_leaving_it_out():
     )
 
 
+@pytest.mark.parametrize("target", ["os.system", "builtins.eval", "subprocess.Popen", "math.pi"])
+def test_a_target_hydra_refuses_is_not_allowed_with_no_advice_to_lift_the_block(target):
+    # issue 38: os.system was "failed: HYDRA_INSTANTIATE_ALLOWLIST_OVERRIDE.", which read like the way around it
+    with pytest.raises(ModelError) as error:
+        instantiate_model({"_target_": target, "dropout": True})
+    assert str(error.value) == (
+        f"model._target_={target} is not allowed: it is no model class, and Hydra refuses to call it from a config; "
+        "name a torch.nn.Module class, e.g. mnist_dist.model.ConvNet"
+    )
+
+
+def test_a_target_that_builds_no_module_is_not_a_model():
+    # issue 38: it failed in the worker, "AttributeError: 'collections.OrderedDict' object has no attribute 'to'"
+    with pytest.raises(ModelError) as error:
+        instantiate_model({"_target_": "collections.OrderedDict", "dropout": True})
+    assert str(error.value) == (
+        "model._target_=collections.OrderedDict built an object of type OrderedDict, not a torch.nn.Module; "
+        "name a torch.nn.Module class, e.g. mnist_dist.model.ConvNet"
+    )
+
+
 def test_the_command_line_says_it_in_one_line(tiny_root, tmp_path):
     result = subprocess.run(
         [

@@ -2,8 +2,12 @@
 are beside the code they test: an empty split in test_data, leftover torchrun variables in test_slurm, a
 killed forkserver in test_spawn."""
 
+import subprocess
+import sys
+
 import pytest
-from helpers import validate_here
+from helpers import HANG_S, validate_here
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mnist_dist.config import ConfigError
 from mnist_dist.tools import compare
@@ -50,3 +54,33 @@ def test_compare_of_a_run_shorter_than_log_every_is_one_line(tiny_root, tmp_path
         f"error: {run_dir.relative_to(tmp_path)} logged no training loss: its run took fewer steps than "
         "log_every; pass a smaller log_every= or more epochs="
     )
+
+
+# --- issue 38: messages that said something else than what was wrong ----------------------------------------
+
+
+def test_a_run_directory_where_no_lock_can_be_made_says_so(tiny_root, cli_in_process):
+    # before: "cannot write /proc/self/.run.lock: No such file or directory" (and "in use by another run")
+    code = cli_in_process(f"data.root={tiny_root}", "data.mirrors=[]", "hydra.run.dir=/proc/self")
+    assert code == (
+        "error: /proc/self cannot be a run directory: its lock /proc/self/.run.lock cannot be created (No such file "
+        "or directory); pass a directory the run can write to as hydra.run.dir"
+    )
+
+
+@pytest.mark.parametrize("char", ["\u2014", "\u00e9"])  # an em dash, an accented letter
+def test_a_character_hydra_reads_only_quoted_is_one_line_saying_to_quote_it(tmp_path, char):
+    # before: "error: LexerNoViableAltException: hydra.run.dir=..."
+    override = f"hydra.run.dir={tmp_path}/a{char}b"
+    result = subprocess.run(
+        [sys.executable, "-m", "mnist_dist", override], capture_output=True, text=True, timeout=HANG_S
+    )
+    quoted = f'hydra.run.dir="{tmp_path}/a{char}b"'
+    assert (result.returncode, result.stderr) == (
+        1,
+        f"error: {override}: the value holds a character Hydra's override syntax takes only quoted; quote it: "
+        f"'{quoted}'\n",
+    )
+    (parsed,) = OverridesParser.create().parse_overrides([quoted])
+    assert parsed.value() == f"{tmp_path}/a{char}b"  # what it says to pass is the path
+    assert list(tmp_path.iterdir()) == []

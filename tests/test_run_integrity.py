@@ -99,6 +99,27 @@ def test_rotation_closes_the_gaps_that_damaged_checkpoints_leave(trained, tmp_pa
     assert steps() == {"checkpoint.pt": 10, "checkpoint.1.pt": 9, "checkpoint.2.pt": 3, "checkpoint.3.pt": 1}
 
 
+@pytest.mark.parametrize("epoch_step", [21, 10**6])  # the epoch has 20 steps: 20 is a preemption at its last step
+def test_a_position_past_the_end_of_its_epoch_is_refused_and_nothing_is_written(
+    tiny_root, trained, tmp_path, epoch_step
+):
+    # before: the resumed run skipped the rest of epoch 1, trained none of it and exited 0
+    run = tmp_path / "run"
+    run.mkdir()
+    state = checkpoint.load(trained / "checkpoint.1.pt")  # step 10, mid-epoch 1
+    checkpoint.save(
+        {**state, "epoch_step": epoch_step, "step": epoch_step, "format": checkpoint.FORMAT}, run / "checkpoint.pt"
+    )
+    before = contents(run)
+    with pytest.raises(ConfigError) as error:
+        launch(compose_config(tiny_root, *TINY, "epochs=1", f"resume={run}"), tmp_path / "new")
+    assert str(error.value) == (
+        f"resume: the checkpoint is {epoch_step} steps into epoch 1, which has 20 steps here (640 images at "
+        "batch_size=32): damaged, crafted, or saved at a smaller batch_size; resume from another checkpoint.pt"
+    )
+    assert contents(run) == before and not (tmp_path / "new").exists()
+
+
 def test_a_file_system_without_hard_links_keeps_the_older_checkpoint(tmp_path, monkeypatch):
     def no_links(*args, **kwargs):
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))

@@ -2,6 +2,7 @@
 job's store is its own; a rank that stops responding, or a killed forkserver, is named."""
 
 import ast
+import contextlib
 import json
 import multiprocessing.forkserver
 import os
@@ -170,6 +171,25 @@ def test_another_client_lists_no_key_of_the_job_and_cannot_open_its_store(tmp_pa
     assert mode == 0o700 and not Path(path).parent.exists()  # private while the job ran, removed after it
 
 
+def _as_another_user(rank: int, world_size: int) -> dict:
+    """What the user nobody can do to the job's store while it runs: list its directory, read its file; and, to
+    show that acting as nobody works at all, list /."""
+    path = Path(os.environ["MNIST_DIST_SPAWN_STORE"])
+    dist.barrier()  # every rank has met in the store: its keys are all written
+    tries = {"list": ["ls", str(path.parent)], "read": ["cat", str(path)], "list /": ["ls", "/"]}
+    nobody = {"user": 65534, "group": 65534, "extra_groups": [], "capture_output": True}
+    done = {what: subprocess.run(command, **nobody).returncode == 0 for what, command in tries.items()}
+    dist.barrier()  # rank 1 keeps the job alive meanwhile
+    return done
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user needs root")
+def test_another_local_user_can_neither_list_nor_read_the_store(tmp_path):
+    """issue 38, as another OS user (nobody): the store's directory is 0700, its file out of reach."""
+    done = run_ranks(_as_another_user, 2, tmp_path)
+    assert done[0] == {"list": False, "read": False, "list /": True}
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -255,3 +275,75 @@ def test_a_training_rank_that_stops_responding_is_named_with_its_step(make_confi
     ), message
     assert message.endswith(f"(log: {tmp_path}/run/rank_1.log)") and "\n" not in message
     assert_all_gone(pids, 2)
+
+
+# --- issue 38: a log that does not exist is never named; a job interrupted while the forkserver imports ------
+
+
+def _fails_before_its_log(rank: int, world_size: int, log_dir: str) -> None:
+    if rank == 0:
+        raise RuntimeError("failed before its log was opened")
+    Path(log_dir, f"rank_{rank}.log").write_text("rank 1 was here\n")
+    time.sleep(120)  # stopped by spawn once rank 0 failed
+
+
+def test_a_rank_that_failed_before_opening_its_log_names_none(tmp_path):
+    # before: "rank 0 failed: RuntimeError: ... (log: .../rank_0.log)", a file that never existed
+    with pytest.raises(WorkerFailed) as error:
+        spawn(
+            _fails_before_its_log, 2, str(tmp_path), log_path=f"{tmp_path}/rank_{{rank}}.log", start_method="forkserver"
+        )
+    assert str(error.value) == "rank 0 failed: RuntimeError: failed before its log was opened"
+
+
+_INTERRUPTED_WHILE_IMPORTING = """
+import os, signal, sys
+import slow_import
+from mnist_dist.parallel import spawn
+
+def stop(signum, frame):
+    raise KeyboardInterrupt  # as mnist_dist's commands answer SIGTERM
+
+signal.signal(signal.SIGTERM, stop)
+os.environ["MNIST_DIST_BLOCK_IMPORT"] = sys.argv[1]  # for the forkserver, which starts now
+try:
+    spawn(slow_import.idle, 2, start_method="forkserver")
+except KeyboardInterrupt:
+    sys.exit(143)
+"""
+
+
+def _alive_in_session(session: int) -> list[int]:
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):  # fields: state, ppid, pgrp, session
+            found.append(int(stat_file.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
+def test_a_job_interrupted_while_its_forkserver_imports_leaves_no_process(tmp_path):
+    # before: the forkserver went on importing (6-8 s of torch in the app), then forked a worker for nobody
+    importing = tmp_path / "importing"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_IMPORTING, str(importing)], start_new_session=True, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 300  # torch's import first, on a loaded machine: no time bound
+        while not importing.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert importing.exists(), "the forkserver never got to the import: the test proves nothing"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 143
+        deadline = time.monotonic() + 60  # a process of the job that is exiting gets the time to finish
+        while _alive_in_session(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive_in_session(launcher.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)

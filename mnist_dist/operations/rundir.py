@@ -86,7 +86,13 @@ def owned(run_dir: Path) -> Iterator[None]:
     """
     path = run_dir / LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:  # /proc/self, a read-only mount: not a directory a run can write in
+            raise ConfigError(
+                f"{run_dir} cannot be a run directory: its lock {path} cannot be created ({error.strerror}); pass a "
+                "directory the run can write to as hydra.run.dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

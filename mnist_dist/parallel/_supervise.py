@@ -3,12 +3,14 @@ the root of the failure (from their reports, exit codes and heartbeat slots); th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
 import signal
+import stat
 import time
 from multiprocessing.connection import wait
 
@@ -45,7 +47,6 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             continue
         reported = sorted(report.recv() for report in reports if report.poll())
         silent = [rank for rank in failed if rank not in {r for _, r, _ in reported}]
-        log = (lambda rank: f" (log: {log_path.format(rank=rank)})") if log_path is not None else (lambda rank: "")
         # multiprocessing says 255 for a forkserver worker whose server closed its status pipe, i.e. died.
         server = _dead_forkserver() if start_method == "forkserver" and workers[failed[0]].exitcode == 255 else None
         if server:
@@ -55,7 +56,7 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             )
         if silent:
             rank = silent[0]
-            raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{log(rank)}")
+            raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{_log_of(log_path, rank)}")
         _, rank, reason = reported[0]
         stuck = _unresponsive(workers, beats) if _TIMED_OUT.search(reason) or _NEVER_JOINED in reason else None
         if stuck is not None and not _TIMED_OUT.search(reason) and not _stopped(workers[stuck].pid):
@@ -65,9 +66,19 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             state = "; its process is stopped, e.g. by SIGSTOP" if stopped else ""
             raise WorkerFailed(
                 f"rank {stuck} stopped responding (last seen: {where}{state}); rank {rank} timed out waiting for "
-                f"it: {reason}{log(stuck)}"
+                f"it: {reason}{_log_of(log_path, stuck)}"
             )
-        raise WorkerFailed(f"rank {rank} failed: {reason}{log(rank)}")
+        raise WorkerFailed(f"rank {rank} failed: {reason}{_log_of(log_path, rank)}")
+
+
+def _log_of(log_path: str | None, rank: int) -> str:
+    """`` (log: <path>)`` if the rank's log is there, a regular file: a rank that failed before opening it, or
+    that refused what it found there (a FIFO, a link), has no log to read."""
+    path = None if log_path is None else log_path.format(rank=rank)
+    with contextlib.suppress(OSError):
+        if path and stat.S_ISREG(os.lstat(path).st_mode):
+            return f" (log: {path})"
+    return ""
 
 
 def _unresponsive(workers: list, beats: list) -> int | None:

@@ -58,7 +58,7 @@ def spawn(
 
     A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
     collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
-    ``log_path.format(rank=rank)`` if ``fn`` writes one there (e.g. ``"run/rank_{rank}.log"``); without
+    ``log_path.format(rank=rank)`` if ``fn`` wrote one there (e.g. ``"run/rank_{rank}.log"``); without
     ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
     too (the workers never see SIGINT themselves, though a terminal sends it to them: only this process
     answers it), and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that
@@ -137,8 +137,22 @@ def _start(workers: list, start_method: str) -> None:
             for worker in workers:
                 worker.start()
     if start_method == "forkserver":  # waits for the server's imports: Ctrl-C stays this process's meanwhile
-        for worker in workers:
-            worker.start()
+        try:
+            for worker in workers:
+                worker.start()
+        except BaseException:
+            _stop_forkserver()
+            raise
+
+
+def _stop_forkserver() -> None:
+    """Kills the forkserver and waits for it: interrupted while it still imports torch, it would import on for
+    seconds after this process exits, holding multiprocessing's resource tracker too. The next job starts a new one."""
+    server = multiprocessing.forkserver._forkserver  # no public way to stop it
+    if server._forkserver_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()  # reaps it and forgets its address
 
 
 @contextlib.contextmanager

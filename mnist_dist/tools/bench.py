@@ -17,12 +17,15 @@ Writes bench.md, bench.json and bench.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_on_interrupt
 
@@ -35,7 +38,7 @@ import torch
 from mnist_dist.operations import files, machine
 from mnist_dist.tools import ablation, bucket_sweep, time_to_accuracy
 from mnist_dist.tools.baselines import measure_here
-from mnist_dist.tools.run import median_counters, paired_ratio, prepare_work, run_trainer, summarize
+from mnist_dist.tools.run import median_counters, paired_ratio, run_trainer, summarize, write_data
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -220,14 +223,31 @@ def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
     return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the usage as well: --help shows that
+        sys.exit(f"bench: {message} (--help lists the options)")
+
+
+def at_least(least: int):
+    """An argparse type: a whole number, at least ``least``."""
+
+    def count(text: str) -> int:
+        with contextlib.suppress(ValueError):
+            if int(text) >= least:
+                return int(text)
+        raise argparse.ArgumentTypeError(f"{text} must be a whole number, at least {least}")
+
+    return count
+
+
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--gpus", type=int, default=2, help="ranks of the ddp cases")
-    parser.add_argument("--batch", type=int, default=64, help="global batch")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default 150; --bucket-sweep: its own)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, help="interleaved rounds (default 3; --bucket-sweep: its own)")
+    parser.add_argument("--gpus", type=at_least(1), default=2, help="ranks of the ddp cases")
+    parser.add_argument("--batch", type=at_least(1), default=64, help="global batch")
+    parser.add_argument("--steps", type=at_least(1), help="timed steps per run (default 150; --bucket-sweep: its own)")
+    parser.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps first")
+    parser.add_argument("--repeats", type=at_least(1), help="interleaved rounds (default 3; --bucket-sweep: its own)")
     parser.add_argument("--cases", help="comma-separated subset (default: every case that means something here)")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
     ablation.add_arguments(time_to_accuracy.add_arguments(parser))
@@ -252,22 +272,27 @@ def main() -> int:
         device = torch.device(args.device)
         print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup, device)))
         return 0
-    if args.ablation:
-        return ablation.run({**time_to_accuracy.settings(args), "variants": args.variants}, args.out)
-    if args.time_to_accuracy:
-        return time_to_accuracy.run(time_to_accuracy.settings(args), args.out)
-    if args.bucket_sweep:
-        settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
-        return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out)
-    chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])
-    for case, why in skipped.items():
-        print(f"skipped {case}: {why}", flush=True)
-    return run_bench(chosen, skipped, run_settings(args, 150, 3), args.out)
+    # The generated data and the runs' directories (~20 MB): removed however the bench ends, Ctrl-C included.
+    with tempfile.TemporaryDirectory(prefix="mnist_dist_bench_", ignore_cleanup_errors=True) as scratch:
+        work = Path(scratch)
+        if args.ablation:
+            return ablation.run({**time_to_accuracy.settings(args, work), "variants": args.variants}, args.out)
+        if args.time_to_accuracy:
+            return time_to_accuracy.run(time_to_accuracy.settings(args, work), args.out)
+        if args.bucket_sweep:
+            settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
+            return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out, work)
+        chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])
+        for case, why in skipped.items():
+            print(f"skipped {case}: {why}", flush=True)
+        return run_bench(chosen, skipped, run_settings(args, 150, 3), args.out, work)
 
 
-def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path) -> int:
-    """Every chosen case, group by group, rounds interleaved within a group; bench.md, bench.json, bench.png."""
-    work, started = prepare_work(settings), time.monotonic()
+def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path, work: Path) -> int:
+    """Every chosen case, group by group, rounds interleaved within a group, in ``work``; bench.md, bench.json,
+    bench.png in ``out``."""
+    started = time.monotonic()
+    write_data(work, settings)
     samples: dict[str, list[dict]] = {case: [] for case in chosen}
     for group in GROUPS:
         group = [case for case in group if case in chosen]

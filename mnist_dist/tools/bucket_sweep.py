@@ -31,7 +31,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no backend or global figure state
 
 from mnist_dist.operations import files, machine
-from mnist_dist.tools.run import loadavg, median_counters, paired_ratio, prepare_work, run_trainer, summarize
+from mnist_dist.tools.run import loadavg, median_counters, paired_ratio, run_trainer, summarize, write_data
 
 SIZES_MB = (0.05, 0.25, 1.0, 4.0, 25.0)  # 25: torch's bucket_cap_mb default; this convnet is 4.6 MiB in all
 STEPS = 100  # timed steps per run: with REPEATS, what fits the sweep in 8 minutes on 2 CPU cores
@@ -131,10 +131,11 @@ def chart(rows: list[dict], path: Path, machine_info: dict, ranks: int) -> None:
         figure.savefig(out.file, format="png", dpi=110)
 
 
-def run(settings: dict, sizes: list[float], out: Path) -> int:
-    """The whole sweep: every repeat, size and DDP interleaved; sweep.md, sweep.json and sweep.png in ``out``."""
+def run(settings: dict, sizes: list[float], out: Path, work: Path) -> int:
+    """The whole sweep: every repeat, size and DDP interleaved, in ``work``; sweep.md, sweep.json and sweep.png
+    in ``out``."""
     load_before, started = loadavg(), time.monotonic()
-    work = prepare_work(settings)
+    write_data(work, settings)
     samples = []
     for round_ in range(settings["repeats"]):
         for size in sizes:

@@ -7,7 +7,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from mnist_dist.tools.synthetic import write_idx
@@ -42,13 +41,11 @@ def run_trainer(name: str, overrides: list[str], work: Path, settings: dict, rou
     }
 
 
-def prepare_work(settings: dict) -> Path:
-    """A fresh directory with generated MNIST-format data: one epoch is warm-up + timed steps (+ the first
-    step after warm-up, which the trainer's clock also skips)."""
-    work = Path(tempfile.mkdtemp(prefix="mnist_dist_bench_"))
+def write_data(work: Path, settings: dict) -> None:
+    """Generated MNIST-format data in ``work``: one epoch is warm-up + timed steps (+ the first step after
+    warm-up, which the trainer's clock also skips)."""
     n_train = (settings["warmup"] + settings["steps"] + 1) * settings["batch"]
     write_idx(work / "data" / "MNIST" / "raw", n_train=n_train, n_test=500)
-    return work
 
 
 def summarize(samples: list[float]) -> dict:

@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -56,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return tta
 
 
-def settings(args: argparse.Namespace) -> dict:
-    """What run() and ablation.run() need, from bench's command line."""
+def settings(args: argparse.Namespace, work: Path) -> dict:
+    """What run() and ablation.run() need, from bench's command line; their runs go in ``work``."""
     chosen = (args.cases or "").split(",")
     return {
         **{key: getattr(args, key) for key in ("device", "gpus", "seeds", "eval_every", "dataset", "classic")},
@@ -65,7 +64,7 @@ def settings(args: argparse.Namespace) -> dict:
         "cases": [case for case in chosen if case in CASES] or list(CASES),
         "data": args.data_dir,
         "classic_eval_every": 4 * args.eval_every,  # batch 64 vs 256: about as often per image
-        "work": Path(tempfile.mkdtemp(prefix="mnist_dist_tta_")),
+        "work": work,
     }
 
 
