@@ -1,9 +1,8 @@
 """The configuration schema: every setting, declared once, with its default and why it exists.
 
-Hydra merges the YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the
-wrong type fails while the config is composed, before anything runs or is written. Each group's
-defaults live in one place: the top-level settings here, each mode's knobs in its structured config in
-``mnist_dist/modes.py``, and ``model``, ``data``, ``optim`` and ``scheduler`` in their YAML files.
+Hydra merges the YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the wrong
+type fails while the config is composed. Each mode's knobs are in ``mnist_dist/modes.py``; ``model``,
+``data``, ``optim`` and ``scheduler`` defaults in their YAML files.
 """
 
 from __future__ import annotations
@@ -272,29 +271,27 @@ def _close(key: object, keys: Sequence[str]) -> str | None:
 def _guess(key: str, fields: list[str], overrides: Sequence[str]) -> str | None:
     """What a top-level ``key`` that Config lacks may have meant: a group's key of that name (``lr``: optim.lr,
     in the options the other overrides choose), else a top-level key spelt alike (``epoch``: epochs)."""
-    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != key]
-    try:
-        GlobalHydra.instance().clear()  # the command's own Hydra may still hold it
-        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-            cfg = compose("config", overrides=rest)
-        groups = [f"{name}.{key}" for name in fields if OmegaConf.is_dict(cfg[name]) and key in cfg[name]]
-    except Exception:  # the other overrides do not compose either: guess from the spelling alone
-        groups = []
+    cfg = _compose_without(key, overrides) or {}
+    groups = [f"{name}.{key}" for name in fields if OmegaConf.is_dict(cfg.get(name)) and key in cfg[name]]
     return groups[0] if groups else _close(key, fields)
 
 
 def _chosen(group: str, key: str, overrides: Sequence[str] | None) -> tuple[str, list[str]] | None:
     """``("model=fastnet", its keys)``: the option of ``group`` that ``overrides`` choose, composed without
     the ones that touch ``group.key``; None if they are not known or do not compose either."""
-    if overrides is None:
-        return None
-    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != f"{group}.{key}"]
+    cfg = None if overrides is None else _compose_without(f"{group}.{key}", overrides)
+    return None if cfg is None else (f"{group}={cfg.hydra.runtime.choices[group]}", list(cfg[group]))
+
+
+def _compose_without(key: str, overrides: Sequence[str]) -> DictConfig | None:
+    """The config ``overrides`` compose without those that set ``key``; None if they do not compose (a sweep
+    ``a,b``, another mistake)."""
+    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != key]
     try:
         GlobalHydra.instance().clear()  # the command's own Hydra may still hold it
         with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-            cfg = compose("config", overrides=rest, return_hydra_config=True)
-        return f"{group}={cfg.hydra.runtime.choices[group]}", list(cfg[group])
-    except Exception:  # a sweep (a,b), or another mistake: say it without the keys
+            return compose("config", overrides=rest, return_hydra_config=True)
+    except Exception:
         return None
 
 

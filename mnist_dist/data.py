@@ -68,11 +68,6 @@ def official_mirrors(name: str) -> list[str]:
     return https + _UPSTREAM_HTTPS.get(name, [])
 
 
-def _md5_checked(name: str) -> set[str]:
-    """Sources known to serve the upstream .gz files, whose md5s torchvision records."""
-    return {m.rstrip("/") for m in [*dataset_class(name).mirrors, *official_mirrors(name)]}
-
-
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
     """Where the decompressed IDX files of ``name`` live under ``root`` (torchvision's layout)."""
     return Path(root) / _class_name(name) / "raw"
@@ -172,7 +167,7 @@ def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: 
                 ) from None
             log.warning("%s is invalid (%s); fetching it again", dest, reason)
             tried.append(f"{dest} ({reason})")
-    official = _md5_checked(name)
+    official = {m.rstrip("/") for m in [*cls.mirrors, *official_mirrors(name)]}  # serve the md5s torchvision records
     local_gz = [str(raw)] if (raw / gz_name).is_file() else []
     for source in [*local_gz, *mirrors]:
         try:

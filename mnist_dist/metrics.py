@@ -33,8 +33,7 @@ def ddp_counters_ms(model: torch.nn.Module) -> dict[str, float]:
 
 
 def _collective_tensor(values: list[float]) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    return tensor.cuda() if dist.get_backend() == "nccl" else tensor
+    return torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
 def all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
@@ -163,7 +162,7 @@ class StepTimer:
         self.window = dict.fromkeys(self.PHASES, 0.0)
         self.total = dict.fromkeys(self.PHASES, 0.0)
         self.window_steps = self.total_steps = 0
-        optimizer.register_step_pre_hook(lambda *_: self._backward_done())
+        optimizer.register_step_pre_hook(lambda *_: self.mark("forward_backward"))
         optimizer.register_step_post_hook(lambda *_: self._optimizer_done())
 
     def start(self, sample: bool) -> None:
@@ -178,9 +177,6 @@ class StepTimer:
         if self.sampling:
             self.stamps.append((phase, self.clock.now()))
 
-    def _backward_done(self) -> None:
-        self.mark("forward_backward")
-
     def _optimizer_done(self) -> None:
         if not self.sampling:
             return
@@ -188,8 +184,7 @@ class StepTimer:
         step = dict.fromkeys(self.PHASES, 0.0)
         for (_, start), (phase, end) in zip(self.stamps, self.stamps[1:]):
             step[phase] += self.clock.seconds(start, end)
-        waited = self.wait_clock.last_wait_s() if self.wait_clock is not None else 0.0
-        waited = min(waited, step["forward_backward"])
+        waited = min(self.wait_clock.last_wait_s() if self.wait_clock else 0.0, step["forward_backward"])
         step["forward_backward"] -= waited
         step["comm_wait"] += waited
         for phase, seconds in step.items():

@@ -1,14 +1,8 @@
 """The mode table: what each mode is, in one entry, read by validation, launch, the worker and the tools.
 
-An entry says how the mode wraps a plain model, how many processes it runs, whether one process drives
-all ``gpus`` devices, whether it needs a process group, and what it says when it runs without CUDA.
-A training step is the same in every mode: wrappers that synchronise gradients (ours and torch's DDP)
-finish inside ``backward()``, so nothing is called between it and ``optimizer.step()``.
-
 Each mode also has a structured config (its knobs, with their defaults), so a knob of another mode is an
-error while the config is composed.
-
-Adding a mode is one entry here (``register``) and one YAML in ``conf/mode/`` that names it::
+error while the config is composed. Adding a mode is one entry here (``register``) and one YAML in
+``conf/mode/`` that names it::
 
     # conf/mode/my_mode.yaml
     defaults:
@@ -144,11 +138,6 @@ def register(mode: Mode) -> Mode:
     return mode
 
 
-def devices_needed(cfg: Any) -> int:
-    """CUDA devices the job drives: one per process, or `gpus` for a mode whose process drives them all."""
-    return MODES[cfg.mode.name].devices(cfg.gpus)
-
-
 def world_size(cfg: Any) -> int:
     """Number of worker processes."""
     return cfg.gpus if MODES[cfg.mode.name].processes is Processes.PER_DEVICE else 1
@@ -175,11 +164,8 @@ def compile_refusal(cfg: Any, device_type: str) -> str:
 
 
 def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1) -> nn.Module:
-    """Places ``model`` and applies ``mode`` (a mode config): the one place distribution enters a model.
-
-    ``device`` is this process's device (cuda:<local rank> or cpu); dp and split use ``gpus`` devices.
-    The process group must exist for the modes that need one.
-    """
+    """Places ``model`` on ``device`` (this process's) and applies ``mode`` (a mode config): the one place
+    distribution enters a model. dp and split use ``gpus`` devices; a mode's process group must exist."""
     return MODES[mode.name].wrap(model, mode, device, gpus)
 
 
@@ -189,18 +175,19 @@ def _single(model: nn.Module, mode: SingleMode, device: torch.device, gpus: int)
 
 def _data_parallel(model: nn.Module, mode: DataParallelMode, device: torch.device, gpus: int) -> nn.Module:
     device_ids = list(range(gpus)) if device.type == "cuda" else []  # []: a pass-through on CPU
-    try:
-        return data_parallel(model.to(device), device_ids, mode.dp_block, mode.dp_functional)
-    except ValueError as error:  # the model has no submodule of that name
-        raise ConfigError(error.args[0]) from None
+    return _no_such_submodule(data_parallel, model.to(device), device_ids, mode.dp_block, mode.dp_functional)
 
 
 def _split(model: nn.Module, mode: SplitMode, device: torch.device, gpus: int) -> nn.Module:
     # Two GPUs: one part on each. One GPU: the tutorial's CPU + GPU example. No GPU: both on the CPU.
     first, second = ("cuda:0", "cuda:1") if device.type == "cuda" and gpus > 1 else ("cpu", device)
+    return _no_such_submodule(split, model, mode.split_at, torch.device(first), torch.device(second))
+
+
+def _no_such_submodule(wrap: Callable[..., nn.Module], *args) -> nn.Module:
     try:
-        return split(model, mode.split_at, torch.device(first), torch.device(second))
-    except ValueError as error:
+        return wrap(*args)
+    except ValueError as error:  # the model has no submodule of the name the mode config gives
         raise ConfigError(error.args[0]) from None
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import mnist_dist
-from mnist_dist.modes import MODES, devices_needed, world_size
+from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import slurm
 from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
 from mnist_dist.operations.errors import ConfigError
@@ -66,8 +66,8 @@ class Topology:
 def resolve(cfg: Config) -> Topology:
     """The job's topology from its config, in the parent; a ConfigError says what to change."""
     refuse_batch_step()
-    visible = torch.cuda.device_count()
-    kind = device_type(cfg.device, devices_needed(cfg), f"gpus={cfg.gpus}", f"use gpus={visible} or device=cpu")
+    needed, visible = MODES[cfg.mode.name].devices(cfg.gpus), torch.cuda.device_count()
+    kind = device_type(cfg.device, needed, f"gpus={cfg.gpus}", f"use gpus={visible} or device=cpu")
     return _topology(cfg, kind, world_size(cfg), local_world_size=world_size(cfg))
 
 

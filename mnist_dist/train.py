@@ -1,10 +1,8 @@
 """The worker: build → the epochs (train, evaluate) → finish, the same code in every mode and on every rank.
 
-It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the
-network: the parent prepared the data before this process existed. A resumed run reads its checkpoint
-once, in ``train``; ``build`` puts the weights into the plain model and ``resume.restore`` the rest. What one
-step computes (the optimizer step, evaluation) is in mnist_dist/step.py, what is measured on the way in
-mnist_dist/metrics.py; this module runs the loop.
+It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the network:
+the parent prepared the data. What one step computes is in mnist_dist/step.py, what is measured on the
+way in mnist_dist/metrics.py; this module runs the loop.
 """
 
 from __future__ import annotations
@@ -134,17 +132,9 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     if cfg.profile:
         run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, device)
     run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
-    log.info(
-        "%s on %s: %d rank(s), global batch %d (%d per rank), %d steps per epoch",
-        *(
-            cfg.mode.name,
-            topology.device_type,
-            topology.world_size,
-            cfg.batch_size,
-            cfg.batch_size // topology.world_size,
-            steps,
-        ),
-    )
+    where, size = f"{cfg.mode.name} on {topology.device_type}", topology.world_size
+    per_rank = f"global batch {cfg.batch_size} ({cfg.batch_size // size} per rank), {steps} steps per epoch"
+    log.info("%s: %d rank(s), %s", where, size, per_rank)
     return run
 
 

@@ -11,16 +11,8 @@ app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression
     if __name__ == "__main__":
         spawn(worker, 2)
 
-- ``ddp``: our hand-written DistributedDataParallel, one file that imports only torch (copy it beside
-  your script: examples/ddp.py is it), with ``broadcast_from``, the broadcast every wrapper uses for buffers;
-- ``timing``: the clock our DDP's backward counters are read from, attached by the app;
-- ``dp``: the DataParallel family of PyTorch's multi-GPU tutorial, and a model split over two devices;
-- ``fsdp``: torch's FSDP2 applied to a plain model by layer groups;
-- ``state``: a wrapped model's state as the plain model's (checkpoints load into the bare class);
-- ``wrappers``: what each wrapper can do, declared once (``wrappers.of(model)``: unwrap, no_sync, counters, ...);
-- ``spawn``: processes, rendezvous (``_supervise``: failures).
-
-The app applies its modes with these in ``mnist_dist/modes.py``.
+``ddp`` imports only torch: copy it beside your script (examples/ddp.py is it). docs/layout.md says what each
+module holds; the app applies its modes with them in ``mnist_dist/modes.py``.
 """
 
 from __future__ import annotations

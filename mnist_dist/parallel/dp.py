@@ -13,32 +13,34 @@ DDP runs one process per GPU, replicates once, and only exchanges gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
 
 
-class _InCallersAutocast:
-    """A replica, called in the autocast state of the thread that made this object.
+def _in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype, enabled: bool, *args, **kwargs):
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        return module(*args, **kwargs)
+
+
+def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[Callable]:
+    """``replicas`` as ``parallel_apply`` should call them: in the caller's autocast state in every thread.
 
     ``parallel_apply`` runs each replica in a thread of its own and re-enters autocast there without a
     dtype; the dtype is thread-local, so a new thread has the default (fp16 for CUDA): bf16 was lost,
     and fp16 ran without the GradScaler it needs.
     """
-
-    def __init__(self, module: nn.Module, device_type: str) -> None:
-        self.module, self.device_type = module, device_type
-        self.enabled = torch.is_autocast_enabled(device_type)
-        self.dtype = torch.get_autocast_dtype(device_type)
-
-    def __call__(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-            return self.module(*args, **kwargs)
+    state = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+    return [partial(_in_autocast, replica, *state) for replica in replicas]
 
 
-def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[_InCallersAutocast]:
-    """``replicas`` as ``parallel_apply`` should call them: with the caller's autocast dtype in every thread."""
-    return [_InCallersAutocast(replica, device_type) for replica in replicas]
+def _parallel_apply(replicas: list[nn.Module], inputs, kwargs, device_ids: list[int]) -> list:
+    """One thread per device, each in the caller's autocast state (nn.DataParallel's method of that name)."""
+    calls = in_callers_autocast(replicas, inputs[0][0].device.type)  # the device the batch was scattered to
+    return parallel_apply(calls, inputs, kwargs, device_ids[: len(replicas)])
 
 
 class DataParallel(nn.DataParallel):
@@ -54,8 +56,7 @@ class DataParallel(nn.DataParallel):
             self.module, self.device_ids = module, []
 
     def parallel_apply(self, replicas, inputs, kwargs):
-        calls = in_callers_autocast(replicas, inputs[0][0].device.type)  # the device the batch was scattered to
-        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
+        return _parallel_apply(replicas, inputs, kwargs, self.device_ids)
 
 
 class FunctionalDataParallel(nn.Module):
@@ -63,8 +64,7 @@ class FunctionalDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: list[int]) -> None:
         super().__init__()
-        self.module = module
-        self.device_ids = device_ids
+        self.module, self.device_ids = module, device_ids
 
     def forward(self, x):
         if not self.device_ids:
@@ -75,9 +75,7 @@ class FunctionalDataParallel(nn.Module):
         return gather(outputs, self.device_ids[0])  # everything back on the first device
 
     def parallel_apply(self, replicas: list[nn.Module], inputs: list[tuple], kwargs=None) -> list:
-        """One thread per device, each in the caller's autocast dtype (nn.DataParallel's method of that name)."""
-        calls = in_callers_autocast(replicas, inputs[0][0].device.type)
-        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
+        return _parallel_apply(replicas, inputs, kwargs, self.device_ids)
 
 
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:

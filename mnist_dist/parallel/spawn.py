@@ -47,30 +47,21 @@ def spawn(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
-    Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and
-    WORLD_SIZE in its environment, and the path of the job's own store: ``init_process_group(backend)`` of
-    this module needs no other argument and meets in a FileStore in a new directory that only this user
-    can open (mode 0700), so that no other local user can list, read or plant a key of the job. Plain
-    ``dist.init_process_group(backend)`` works too, unprotected, through a TCPStore served on 127.0.0.1 only.
-    gloo and NCCL use the loopback interface: nothing listens on an address another machine can reach. ``fn``
-    and ``args`` must be picklable (``fn`` defined at module level; in a script, call ``spawn`` under
-    ``if __name__ == "__main__":``); what ``fn`` returns is ignored.
+    Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK, WORLD_SIZE and
+    the path of the job's own store in its environment: this module's ``init_process_group(backend)`` meets
+    in a FileStore in a directory only this user can open (0700); plain ``dist.init_process_group(backend)``
+    works too, unprotected, through a TCPStore on 127.0.0.1. gloo and NCCL use loopback. ``fn`` and ``args``
+    must be picklable (in a script, call ``spawn`` under ``if __name__ == "__main__":``).
 
-    A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
-    collective, pytorch/pytorch#17113) and WorkerFailed names the rank that failed first, with its log
-    ``log_path.format(rank=rank)`` if ``fn`` wrote one there (e.g. ``"run/rank_{rank}.log"``); without
-    ``log_path`` a failing worker prints its traceback to stderr. Ctrl-C in the parent stops every worker
-    too (the workers never see SIGINT themselves, though a terminal sends it to them: only this process
-    answers it), and a parent that dies (SIGKILL, the OOM killer) takes its workers with it. A rank that
-    stops responding (stopped, or stuck) while another times out waiting for it is the one named, with
-    where its last ``heartbeat`` said it was.
+    A worker that fails stops the whole job (pytorch/pytorch#17113): WorkerFailed names the rank at the root
+    of it, with its log ``log_path.format(rank=rank)`` if ``fn`` wrote one (without ``log_path`` a failing
+    worker prints its traceback); a rank that stopped responding is named with its last ``heartbeat``. Ctrl-C
+    in the parent, or its death, stops every worker (only this process answers SIGINT).
 
-    ``start_method="forkserver"`` forks the workers from one server process that imported torch and
-    torch._dynamo (which torch.optim imports at the first step) and ``fn``'s module once: a worker then
-    starts in a fraction of a second instead of several. The server lives as long as this process and
-    serves every later call. For CPU work only: those imports may load the CUDA driver, and a forked
-    process cannot use a driver its parent loaded. Each worker gets this process's environment and
-    working directory as they are at the call, as with ``"spawn"``.
+    ``start_method="forkserver"`` forks the workers from one server that imported torch, torch._dynamo and
+    ``fn``'s module once (a fraction of a second per worker instead of several); it serves every later call.
+    CPU work only: a forked process cannot use a CUDA driver its parent loaded. Each worker still gets this
+    process's environment and working directory as they are at the call.
     """
     store = _loopback_store(port)
     context = mp.get_context(start_method)

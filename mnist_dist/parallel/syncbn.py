@@ -30,15 +30,12 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(input)
-        if not self.track_running_stats:
-            momentum = 0.0
-        elif self.momentum is None:  # a cumulative average, as BatchNorm's momentum=None
+        momentum, running = 0.0, (None, None)
+        if self.track_running_stats:
             self.num_batches_tracked.add_(1)
-            momentum = 1.0 / self.num_batches_tracked.item()
-        else:
-            self.num_batches_tracked.add_(1)
-            momentum = self.momentum
-        running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+            # momentum=None: a cumulative average, as BatchNorm's
+            momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.item()
+            running = (self.running_mean, self.running_var)
         return _GlobalBatchNorm.apply(input, self.weight, self.bias, *running, self.eps, momentum)
 
 
@@ -50,8 +47,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float32, device=x.device)
         stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
         dist.all_reduce(stats)
-        channels = x.shape[1]
-        total = stats[-1]
+        channels, total = x.shape[1], stats[-1]
         mean = stats[:channels] / total
         var = (stats[channels : 2 * channels] / total - mean * mean).clamp_(min=0)  # biased, as normalised
         invstd = torch.rsqrt(var + eps)

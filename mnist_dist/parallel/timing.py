@@ -1,21 +1,14 @@
 """Time stamps on the compute stream, and our DDP's backward counters built from them.
 
-``StreamClock`` is the one clock of the project: CUDA events recorded on the compute (current) stream, which
-nothing waits for when a stamp is taken, or the host's clock on a CPU; a duration is read once its end is
-reached. What torch DDP's reducer times with, and what the trainer's meters (mnist_dist/metrics.py) read.
+``StreamClock`` is the one clock of the project: CUDA events on the compute (current) stream, which nothing
+waits for when a stamp is taken, or the host's clock on a CPU. torch DDP's reducer times with the same.
 
-``BackwardClock`` is what the app attaches to our DistributedDataParallel as ``model.clock``. torch DDP
-(reducer.cpp, ``_get_ddp_logging_data()``) stamps, in each sampled iteration: backward compute start (the
-end of forward), communication start (the first bucket's all-reduce), backward compute end (every gradient
-ready) and communication end (every bucket reduced), and reports in nanoseconds
-
-- ``avg_backward_compute_time``: compute end - compute start;
-- ``avg_backward_comm_time``: comm end - comm start;
-- ``avg_backward_compute_comm_overlap_time``: compute end - comm start, the communication backward hid.
-
-This clock stamps the same four moments of every synchronised backward while ``enabled`` (the trainer
-enables it on the steps it samples, so that no other backward records an event) and averages them the same
-way. Of the last backward it also keeps comm end - compute end: the wait that backward did not hide.
+``BackwardClock`` (our DistributedDataParallel's ``model.clock``, attached by the app) stamps what torch DDP's
+reducer.cpp stamps in a sampled iteration: backward compute start (the end of forward), comm start (the
+first bucket's all-reduce), compute end (every gradient ready), comm end (every bucket reduced), in every
+synchronised backward while ``enabled`` (the trainer enables it on the steps it samples); it averages them
+into torch's three counters (compute, comm, compute end - comm start: the overlap), and keeps the last
+backward's comm end - compute end: the wait that backward did not hide.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 MARKS = ("compute_start", "comm_start", "compute_end", "comm_end")
+_AVERAGES = ("avg_backward_compute_time", "avg_backward_comm_time", "avg_backward_compute_comm_overlap_time")
 _KEPT = 100  # backwards not yet read: CUDA events waiting to be; the oldest go first
 
 
@@ -61,7 +55,7 @@ class BackwardClock:
         self.enabled = True
         self._current: dict = {}
         self._pending: list[dict] = []  # complete backwards, not yet added up
-        self._sums = dict.fromkeys(("compute", "comm", "overlap"), 0.0)
+        self._sums = dict.fromkeys(_AVERAGES, 0.0)
         self._count = 0
         self._last_wait = 0.0
 
@@ -84,9 +78,8 @@ class BackwardClock:
             compute = seconds(stamps["compute_start"], stamps["compute_end"])
             comm = seconds(stamps["comm_start"], stamps["comm_end"])
             hidden = max(0.0, seconds(stamps["comm_start"], stamps["compute_end"]))
-            self._sums["compute"] += compute
-            self._sums["comm"] += comm
-            self._sums["overlap"] += min(hidden, comm)
+            for name, value in zip(_AVERAGES, (compute, comm, min(hidden, comm))):
+                self._sums[name] += value
             self._count += 1
             self._last_wait = max(0.0, seconds(stamps["compute_end"], stamps["comm_end"]))
         self._pending = []
@@ -99,9 +92,4 @@ class BackwardClock:
     def averages_ns(self) -> dict[str, int]:
         """torch DDP's three averages, in its units (ns), over every stamped backward so far."""
         self._add_up()
-        count = max(self._count, 1)
-        return {
-            "avg_backward_compute_time": int(1e9 * self._sums["compute"] / count),
-            "avg_backward_comm_time": int(1e9 * self._sums["comm"] / count),
-            "avg_backward_compute_comm_overlap_time": int(1e9 * self._sums["overlap"] / count),
-        }
+        return {name: int(1e9 * seconds / max(self._count, 1)) for name, seconds in self._sums.items()}
