@@ -72,11 +72,9 @@ def _run(cfg: DictConfig) -> None:
             launch(config, run_dir, HydraConfig.get().overrides.task)
         outcome.finished = True
         exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
-    except WorkerFailed as error:
-        outcome.keep_logs = True  # the line names the failed rank's log, if it wrote one: its traceback is there
+    except (WorkerFailed, ConfigError, DataError, TrainingDiverged) as error:  # one line: what is wrong, what to do
+        outcome.keep_logs = isinstance(error, WorkerFailed)  # its line names the failed rank's log: the traceback
         sys.exit(f"error: {error}")
-    except (ConfigError, DataError, TrainingDiverged) as error:
-        sys.exit(f"error: {error}")  # one line: what was wrong and what to do
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe_os_error(error)}")
     except preemption.Stopped as stop:  # a scheduler's warning: the requeued job goes on with resume=auto
@@ -123,16 +121,14 @@ def _directories_written(config: Config, run_dir: Path) -> list[Path]:
 
 
 def _tidy(run_dir: Path, fresh: bool, outcome: Outcome) -> None:
-    """Leaves nothing of a run that did not get as far as a checkpoint (a model that does not import, a
-    constructor that raises, a rank that fails, Ctrl-C), so that no failed run shows in TensorBoard;
-    only the rank logs stay when the error line names one. A directory this launch did not make (the
-    user's own, even empty) is left as it is, and so is one with a checkpoint (resume goes on from it).
-    A resume's fresh directory, unused since the run went on in its old one, goes too."""
+    """Leaves nothing of a run that failed before a checkpoint, so that it shows in no TensorBoard; only the
+    rank logs stay when the error line names one. A directory this launch did not make, or one with a
+    checkpoint, is left as it is; a resume's fresh directory, unused since the run went on in its old one, goes."""
     if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
         return
     names = {p.name for p in run_dir.iterdir()}
     unused = names <= {rundir.LOCK}  # failed before training, or resumed in its old directory
-    failed = fresh and not outcome.finished and "checkpoint.pt" not in names and not launcher()
+    failed = not outcome.finished and "checkpoint.pt" not in names and not launcher()
     if unused or (failed and not outcome.keep_logs):
         shutil.rmtree(run_dir, ignore_errors=True)
     elif failed:
@@ -143,18 +139,12 @@ def _tidy(run_dir: Path, fresh: bool, outcome: Outcome) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _torchrun_rank_overrides() -> list[str]:
-    # Under torchrun or srun every rank runs this file. Only rank 0 may have Hydra create a run directory
-    # (a second one, named a second later, would split the run: lightning-hydra-template#393);
-    # the others learn rank 0's directory through the process group.
-    if launched_rank():
-        return ["hydra.output_subdir=null", "hydra.run.dir=."]
-    return []
-
-
 if __name__ == "__main__":
     try:
-        sys.argv += _torchrun_rank_overrides()
+        # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
+        # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
+        if launched_rank():
+            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
     except ConfigError as error:  # RANK=abc, RANK=5 with WORLD_SIZE=2: before Hydra, one line
         sys.exit(f"error: {error}")
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.

@@ -1,15 +1,12 @@
 """MNIST / Fashion-MNIST on disk and on the device.
 
-`prepare` runs once in the launching process, before any worker exists: it fetches, decompresses and
-validates the four IDX files under torchvision's own layout (<root>/<ClassName>/raw), so workers
-only ever call `load_split`, which needs no network and trusts the files. Which sources to try, and
-what makes a file valid, are decided here; operations/fetch.py gets one file from one source.
+`prepare` runs once in the launching process (docs/data.md): it fetches, decompresses and validates the
+four IDX files in torchvision's layout, so workers only call `load_split`, which needs no network and trusts
+the files; operations/fetch.py gets one file from one source.
 
-Then which samples each rank sees: the same global batches in every mode, split across ranks. A global
-batch is a slice of one seeded permutation per epoch; rank r takes the r-th of its ``world_size`` equal
-parts. So single mode and N ranks see identical global batches, and averaging the ranks' gradients gives
-exactly the single-process gradient of that batch (the property the equivalence tests check). The last
-incomplete global batch is dropped so that every rank and mode takes the same number of equal steps.
+Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r
+takes the r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single
+process's gradient of that batch. The last incomplete global batch is dropped: every rank takes equal steps.
 """
 
 from __future__ import annotations
@@ -136,22 +133,16 @@ def _read_idx(path: Path, header_len: int) -> torch.Tensor:
 def to_device_tensors(
     images: torch.Tensor, labels: torch.Tensor, mean: float, std: float, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`.
-
-    The uint8 tensor is moved first: a quarter of the bytes to copy, and the conversion runs on the
-    device rather than the CPU. The first division is out of place so the caller's tensor is never
-    modified, even if it is already float on `device`.
-    """
+    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`. The uint8
+    tensor is moved first (a quarter of the bytes, converted on the device); the first division is out of
+    place, so the caller's tensor is never modified."""
     x = images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std)
     return x, labels.to(device, torch.int64)
 
 
 def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: Sequence[str]) -> int:
-    """Ensure raw/<gz_name minus .gz> is a valid IDX file and return its item count.
-
-    Order: the decompressed file already there, the .gz already there, then each mirror. A bad file
-    there that prepare did not write (the user's) is named and left alone.
-    """
+    """Ensure raw/<gz_name minus .gz> is a valid IDX file and return its item count: the decompressed file
+    already there, the .gz already there, then each mirror. A bad file prepare did not write is left alone."""
     dest = raw / gz_name.removesuffix(".gz")
     images = "-images-" in gz_name
     tried = []
@@ -199,10 +190,8 @@ def _largest_valid(gz_name: str) -> int:
 
 
 def _check_idx(path: Path, images: bool) -> int:
-    """Return the item count of an MNIST IDX file, or raise DataError saying what is wrong with it.
-
-    Done once in the parent so that workers can trust the files; torchvision's reader only asserts.
-    """
+    """The item count of an MNIST IDX file, or a DataError saying what is wrong with it (once, in the parent,
+    so that workers can trust the files; torchvision's reader only asserts)."""
     header_len, magic_want, dims_want, item = (16, 0x803, [28, 28], 784) if images else (8, 0x801, [], 1)
     with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
         header = f.read(header_len)

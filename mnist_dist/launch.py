@@ -1,15 +1,9 @@
 """The parent: resolve the topology, prepare the data once, then run the workers and watch them.
 
-Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table (mnist_dist/modes.py):
-
-- one-process modes: the worker runs in this process;
-- one process per device (ddp modes): spawned processes, rendezvous on 127.0.0.1 at a free port;
-- under torchrun or srun (mnist_dist.operations.environment.launcher): this process *is* a worker; local rank 0 prepares
-  the data while the others wait at a barrier. This is how the app runs across nodes.
-
-A worker that fails stops the whole job: the others are terminated (no rank is left hanging in a
-collective, pytorch/pytorch#17113), and the parent exits non-zero naming the rank and its error. The
-spawning and supervising is ``mnist_dist.parallel.spawn``, which your own scripts can use as well.
+Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table (mnist_dist/modes.py): a
+one-process mode runs it here; a mode of one process per device spawns them (``mnist_dist.parallel.spawn``,
+which stops the job when one fails and names the rank); under torchrun or srun this process *is* a worker,
+and local rank 0 prepares the data while the others wait at a barrier (how the app runs across nodes).
 """
 
 from __future__ import annotations
@@ -39,11 +33,9 @@ log = logging.getLogger("mnist_dist")
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
     """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode).
 
-    ``overrides``: the command line's, said in one console line once every check has passed (a bad
-    setting stays a one-line error); the full config goes to config.yaml and rank 0's log. They also say
-    what a resume changes: the settings they name, and those that differ from the defaults. Called without
-    them (a test, a script of your own), a setting equal to its default counts as not set, and the
-    checkpoint's own value is taken; every caller in the package passes them (tests/test_structure.py).
+    ``overrides``: the command line's, said in one console line once every check has passed, and what a
+    resume changes (the settings they name, and those that differ from the defaults). Without them a setting
+    equal to its default counts as not set on resume; every caller in the package passes them.
     """
     if launcher():
         return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= read there, with rank 0's run directory

@@ -1,8 +1,7 @@
 """Honest numbers: synchronised timing without warm-up, the wrappers' own counters, global reductions.
 
-Throughput, the stopwatches and the step-time split read one clock, the compute stream's
-(mnist_dist/parallel/timing.py, which our DDP's backward counters read too), skip the warm-up steps and
-stay out of the step's code; what they measure is logged by mnist_dist/operations/tensorboard.py.
+Every meter reads one clock, the compute stream's (mnist_dist/parallel/timing.py), and stays out of the
+step's code; mnist_dist/operations/tensorboard.py logs what they measure.
 """
 
 from __future__ import annotations
@@ -56,22 +55,16 @@ def all_gather(values: list[float]) -> list[list[float]]:
 
 
 def job_images_per_s(windows: list[tuple[float, float]]) -> float:
-    """The job's images/s from every rank's (images, seconds): all the images over the slowest rank's time.
-
-    The ranks step together, so the job goes at the pace of the slowest; the one definition used in
-    TensorBoard (``perf/images_per_s_global``) and in results.json (``train_images_per_s``).
-    """
+    """The job's images/s from every rank's (images, seconds): all the images over the slowest rank's time (the
+    ranks step together); the one definition of TensorBoard's and results.json's global images/s."""
     slowest = max(seconds for _, seconds in windows)
     return sum(images for images, _ in windows) / slowest if slowest else 0.0
 
 
 class Throughput:
     """Images/s over windows of steps, on the clock of ``devices`` (every device the process computes on),
-    warm-up steps left out.
-
-    ``lap()`` closes a window (at log steps and at the end of an epoch); ``pause()`` stops the clock
-    for work that is not training (evaluation, the end of an epoch); the next ``step()`` starts it again.
-    """
+    warm-up steps left out. ``lap()`` closes a window; ``pause()`` stops the clock for work that is not
+    training (evaluation); the next ``step()`` starts it again."""
 
     def __init__(self, devices: Sequence[torch.device], warmup_steps: int) -> None:
         self.clock = StreamClock(devices)
@@ -139,16 +132,10 @@ class Stopwatch:
 
 
 class StepTimer:
-    """Splits sampled steps into phases, with stamps on the clock of ``devices`` (every device the process
-    computes on): on CUDA nothing waits while a step runs, and the stamps are read once it has ended. Only
-    the steps passed ``sample=True`` are timed.
-
-    The trainer ends ``data``; the rest is read from outside the step, so that the step's code knows
-    nothing of timing: hooks on the optimizer end forward and backward (just before ``step()``) and the
-    optimizer's phase (just after), and our DDP's own clock says how much of backward was ``comm_wait``
-    (what it means: docs/tensorboard.md#every-tag). With fp16, GradScaler's unscale and inf check count
-    as backward.
-    """
+    """Splits the steps passed ``sample=True`` into phases, on the clock of ``devices``; on CUDA the stamps are
+    read once the step has ended. The trainer ends ``data``; the rest is read from outside the step, so that
+    its code knows nothing of timing: optimizer hooks end forward and backward (fp16's unscale included) and
+    the optimizer, and our DDP's clock says how much of backward was ``comm_wait`` (docs/tensorboard.md)."""
 
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 

@@ -1,7 +1,5 @@
-"""The convnet of pytorch/examples mnist, a small ResNet with BatchNorm and FastNet. They know nothing of
-devices or distribution: modes are applied to them from outside (mnist_dist.modes.wrap_model). Then the
-model from ``cfg.model``, with Hydra's InstantiationException said in one line that says what to do, and
-the scheduler from ``cfg.scheduler``, stepped per epoch or per step."""
+"""The convnet of pytorch/examples mnist, a small ResNet with BatchNorm and FastNet, which know nothing of
+distribution (mnist_dist.modes.wrap_model applies it); the model and the scheduler from the config."""
 
 from __future__ import annotations
 
@@ -72,10 +70,8 @@ class ResidualBlock(nn.Module):
 class ResNet(nn.Module):
     """A small ResNet for 28×28 images: a stem, three residual stages (28→14→7), a linear classifier.
 
-    The repo's second model, and the one with BatchNorm, which distribution does not leave alone: each
-    rank normalises with the statistics of its own share of the batch and updates its own running
-    statistics (buffers), so ddp differs slightly from single mode; see mode.sync_batchnorm. It has
-    no dropout, hence no ``dropout`` argument.
+    Its BatchNorm normalises with each rank's own share of the batch, so ddp differs slightly from single
+    mode (see mode.sync_batchnorm). It has no dropout, hence no ``dropout`` argument.
     """
 
     def __init__(self, width: int = 16) -> None:
@@ -99,11 +95,9 @@ class ResNet(nn.Module):
 
 class FastNet(nn.Module):
     """Three stages of conv 3×3 → maxpool → BatchNorm → ReLU (28→14→7→3) and a linear classifier: the
-    ``recipe=fast`` net, chosen for time to accuracy on a CPU (61,000 parameters at widths 24, 48, 96).
-
-    On a CPU the elementwise layers, not the convolutions, take most of a narrow net's time, so each
-    stage pools right after its convolution: BatchNorm and ReLU then touch a quarter of the pixels
-    (airbench orders its blocks the same way). Like ResNet it has BatchNorm and no dropout.
+    ``recipe=fast`` net, chosen for time to accuracy on a CPU (61,000 parameters at widths 24, 48, 96). On a
+    CPU the elementwise layers take most of a narrow net's time, so each stage pools right after its
+    convolution (as airbench does): BatchNorm and ReLU touch a quarter of the pixels. No dropout.
     """
 
     def __init__(self, widths: tuple[int, int, int] = (24, 48, 96)) -> None:
@@ -124,12 +118,9 @@ class FastNet(nn.Module):
         return self.classifier(self.features(x))
 
 
-# Hydra's own messages ("Error locating target ..., set env var HYDRA_FULL_ERROR=1") name neither the usual
-# cause (the module is not on the path) nor the usual fix; the two mistakes people make when pointing
-# model._target_ at their own class are a module Python cannot import and a constructor that does not take
-# the convnet's dropout argument.
 class ModelError(ConfigError):
-    """``model._target_`` or its arguments do not build a model; the message is one line."""
+    """``model._target_`` or its arguments do not build a model; one line that names the usual cause (a module
+    Python cannot import, a constructor without the convnet's dropout), which Hydra's own messages do not."""
 
 
 _NAME_A_MODULE = "name a torch.nn.Module class, e.g. mnist_dist.model.ConvNet"

@@ -57,10 +57,8 @@ class ReplicatedMode:
 
     name: str
     find_unused_parameters: bool = False  # allow parameters that get no gradient
-    # BatchNorm layers normalise with the statistics of the global batch instead of each rank's share, at
-    # the cost of a collective per layer in forward and in backward: then ddp computes what single does.
-    # It matters most when the share is small (batch_size is global: more ranks, smaller shares). On
-    # CUDA torch's SyncBatchNorm, elsewhere ours (mnist_dist/parallel/syncbn.py), which gloo runs.
+    # BatchNorm over the global batch instead of each rank's share (a collective per layer in forward and in
+    # backward): then ddp computes what single does. On CUDA torch's SyncBatchNorm, elsewhere ours (syncbn.py).
     sync_batchnorm: bool = False
     # MiB per all-reduce bucket (torch's bucket_cap_mb), in both DDPs, which cut buckets alike. null: torch's
     # default, 25 with the first bucket capped at 1 so that it starts early (this convnet: fc2 and fc1 in
@@ -223,9 +221,9 @@ def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus:
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )
     if device.type == "cpu":
-        # torch's backward counters (results.json ddp_backward_ms) average its first 10 iterations, then every
-        # 100th: in a bench run, the warm-up. Ours average every synchronised backward. On a CPU a sample is a
-        # clock read, so torch samples every one too; on CUDA reading a sample waits for its events.
+        # torch's backward counters average its first 10 iterations, then every 100th (in a bench run, the
+        # warm-up); ours every synchronised backward. On a CPU a sample is a clock read, so torch samples each
+        # too; on CUDA reading a sample waits for its events.
         wrapped._set_ddp_runtime_logging_sample_rate(1)
     return wrapped
 

@@ -1,8 +1,6 @@
-"""What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's
-share of the global batch (with gradient accumulation), exact sharded evaluation, and the check that
-stops a diverged run; and amp for one device (autocast around forward and loss, a GradScaler for fp16).
-The worker's loop (mnist_dist/train.py), the pre-flight check and the benchmarks
-call them; so do the tests.
+"""What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's share
+of the global batch (with gradient accumulation), exact sharded evaluation, the check that stops a diverged
+run, and amp for one device. The worker's loop, the pre-flight check and the benchmarks call them.
 """
 
 from __future__ import annotations

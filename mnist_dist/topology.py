@@ -1,9 +1,6 @@
-"""Where a job runs, resolved once: the mode, the device, how many processes and which one this is.
-
-The parent resolves it (``resolve``) before any worker starts and hands each worker its copy
-(``for_rank``); under torchrun or srun each process reads the same object from its environment (``from_env``).
-``setup_process`` is the one place a process is set up: threads, deterministic kernels, its device and
-its process group. In the spirit of torchtitan's ``ParallelDims``.
+"""Where a job runs, resolved once (as torchtitan's ``ParallelDims``): the mode, the device, how many processes
+and which one this is. The parent ``resolve``s it and hands each worker its copy (``for_rank``); under torchrun
+or srun each process reads it from its environment (``from_env``). ``setup_process`` sets a process up.
 """
 
 from __future__ import annotations
@@ -134,9 +131,8 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
 
 
 def kernel_policy(deterministic: bool, tf32: bool) -> None:
-    """The kernels every training process computes with (``deterministic``, ``tf32``: the settings of those
-    names); the benchmark's in-process baselines use it too, so that their ratios to the trainer compare
-    the same arithmetic."""
+    """The kernels every training process computes with (the settings of those names); the benchmark's
+    in-process baselines use it too, so that their ratios to the trainer compare the same arithmetic."""
     deterministic_kernels(deterministic)
     fp32_precision(tf32)
 

@@ -58,15 +58,14 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             rank = silent[0]
             raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{_log_of(log_path, rank)}")
         _, rank, reason = reported[0]
-        stuck = _unresponsive(workers, beats) if _TIMED_OUT.search(reason) or _NEVER_JOINED in reason else None
-        if stuck is not None and not _TIMED_OUT.search(reason) and not _stopped(workers[stuck].pid):
-            stuck = None  # our DDP's wait for ranks that are alive: they ran other steps, as its line says
-        if stuck is not None:
-            where, stopped = _last_seen(beats[stuck]), _stopped(workers[stuck].pid)
+        timed_out = _TIMED_OUT.search(reason)
+        stuck = _unresponsive(workers, beats) if timed_out or _NEVER_JOINED in reason else None
+        stopped = stuck is not None and _stopped(workers[stuck].pid)
+        if stuck is not None and (timed_out or stopped):  # else our DDP waited for live ranks that ran other steps
             state = "; its process is stopped, e.g. by SIGSTOP" if stopped else ""
             raise WorkerFailed(
-                f"rank {stuck} stopped responding (last seen: {where}{state}); rank {rank} timed out waiting for "
-                f"it: {reason}{_log_of(log_path, stuck)}"
+                f"rank {stuck} stopped responding (last seen: {_last_seen(beats[stuck])}{state}); rank {rank} "
+                f"timed out waiting for it: {reason}{_log_of(log_path, stuck)}"
             )
         raise WorkerFailed(f"rank {rank} failed: {reason}{_log_of(log_path, rank)}")
 

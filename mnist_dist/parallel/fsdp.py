@@ -1,18 +1,6 @@
-"""PyTorch's fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) applied to a plain model.
-
-Every rank holds 1/world_size of each parameter, of its gradient and of the optimizer state; a layer
-group's parameters are all-gathered just before the group runs (forward and backward) and its gradients
-reduce-scattered (averaged) right after its backward. The model itself never learns of it.
-
-**Layer groups** (one all-gather each): with ``group_classes=[]`` (the default), every direct child
-of the model that has parameters (the convnet's and the ResNet's ``features`` and ``classifier``; each
-layer of an ``nn.Sequential``); else every module whose class name is listed (e.g.
-``[ResidualBlock,Linear]``), innermost first. The root is sharded last and takes what no group holds.
-
-``mnist_dist.parallel.state`` reads and writes the full, unsharded state under the plain model's keys (a
-saved model loads into the bare class); each rank loads its own shard from it. Buffers (BatchNorm's running statistics)
-are not sharded: like torch DDP, every forward starts from rank 0's, so model.pt and every rank's
-share of the evaluation see the same model.
+"""PyTorch's fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) applied to a plain model
+by layer groups; docs/modes.md#fsdp says what a group is, and how checkpoints and buffers behave.
+``mnist_dist.parallel.state`` reads and writes the full state under the plain model's keys.
 """
 
 from __future__ import annotations
@@ -31,7 +19,8 @@ from mnist_dist.parallel.wrappers import DECLARED, Wrapper
 
 
 def layer_groups(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """The modules sharded as one group each, innermost first (see the module docstring for the rule)."""
+    """The modules sharded as one group each, innermost first: every direct child of ``model`` that has
+    parameters, or (``class_names``) every module of those classes."""
     if not class_names:
         return [child for child in model.children() if any(True for _ in child.parameters())]
     found = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in class_names]
@@ -52,12 +41,8 @@ def shard(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """``fully_shard`` on each layer group, then on the root; the process group must exist.
-
-    ``reshard_after_forward``: free a group's gathered parameters after its forward (least memory;
-    backward gathers them again). ``param_dtype``/``reduce_dtype``: the dtype of forward and backward's
-    copies, and of the gradients' reduction.
-    """
+    """``fully_shard`` on each layer group, then on the root (which takes what no group holds); the process
+    group must exist. ``param_dtype``/``reduce_dtype``: forward and backward's copies, the gradients' reduction."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor

@@ -148,13 +148,10 @@ def _stop_forkserver() -> None:
 
 @contextlib.contextmanager
 def _sigint_held_from_children() -> Iterator[None]:
-    """SIGINT blocked in this thread while the body runs, and so for good in every process it starts.
-
-    Ctrl-C in a terminal signals the whole process group: the workers, and a forkserver still importing
-    torch, would each print a KeyboardInterrupt traceback from wherever they were. This process answers
-    it alone (by stopping the workers with SIGTERM). A signal mask survives fork and exec, so the
-    children never see SIGINT; here a Ctrl-C that came meanwhile is delivered when the body ends.
-    """
+    """SIGINT blocked in this thread while the body runs, and so for good in every process it starts (a mask
+    survives fork and exec); a Ctrl-C that came meanwhile is delivered here when the body ends. A terminal
+    signals the whole process group: the workers, and a forkserver still importing torch, would each print a
+    KeyboardInterrupt traceback. This process answers it alone (stopping the workers with SIGTERM)."""
     # multiprocessing's resource tracker, started with the first process, unblocks SIGINT after starting
     # itself: started first, it cannot undo the mask below.
     multiprocessing.resource_tracker.ensure_running()
@@ -166,12 +163,8 @@ def _sigint_held_from_children() -> Iterator[None]:
 
 
 def die_with_parent() -> None:
-    """Has the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
-
-    For a process whose parent is its supervisor (a torchrun agent): a worker whose agent was killed
-    would otherwise train to the end with nobody to report to, or hang in a collective for good. If the
-    parent already died before the request took effect, exit now.
-    """
+    """Has the kernel SIGKILL this process when its parent (its supervisor: a torchrun agent) dies (Linux;
+    elsewhere a no-op): it would otherwise train on with nobody to report to, or hang in a collective."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -180,13 +173,9 @@ def die_with_parent() -> None:
 
 
 def _exit_with_launcher() -> None:
-    """Kills this worker when the process that started it exits, SIGKILL and the OOM killer included.
-
-    The launcher holds one end of a pipe to each worker for as long as it holds the worker's Process
-    object (``spawn`` does until the job ends); a thread here waits for the other end to report it
-    closed. (The kernel's parent-death signal would watch the wrong process under forkserver: the
-    server, which outlives the launcher while its workers run.)
-    """
+    """Kills this worker when the process that started it exits, SIGKILL and the OOM killer included: a thread
+    waits for the launcher's end of the worker's pipe to close. (The kernel's parent-death signal would watch
+    the forkserver under forkserver, which outlives the launcher.)"""
     sentinel = multiprocessing.parent_process().sentinel
 
     def watch() -> None:
@@ -234,12 +223,9 @@ def _worker(
 
 
 def _loopback_store(port: int) -> dist.TCPStore:
-    """The job's rendezvous store, served from this process on 127.0.0.1:``port`` (0: a free one).
-
-    TCPStore binds every interface when it opens its own socket, so it gets one bound to loopback.
-    Port 0 lets the OS choose, and the socket is held until the job ends: a fixed port collides with
-    the previous run still in TIME_WAIT or another job (pytorch/pytorch#11324).
-    """
+    """The job's rendezvous store, served from this process on 127.0.0.1:``port`` (0: a free one, held until the
+    job ends: a fixed port collides with a run in TIME_WAIT, pytorch/pytorch#11324). TCPStore binds every
+    interface when it opens its own socket, so it gets one bound to loopback."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", port))
     listener.listen()

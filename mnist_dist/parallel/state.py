@@ -30,9 +30,8 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def buffers_from_rank0(model: nn.Module) -> None:
-    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none), e.g. before an evaluation:
-    each rank's last training forward updated its BatchNorm statistics from its own share, and rank 0's
-    are the ones a checkpoint saves. Nothing in one process."""
+    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none): the BatchNorm statistics a
+    checkpoint saves, where each rank's last forward updated its own. Nothing in one process."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         broadcast_from(list(model.buffers()))
 
