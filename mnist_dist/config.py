@@ -15,7 +15,7 @@ import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from hydra import compose, initialize_config_module
@@ -42,24 +42,18 @@ __all__ = [
 ]
 
 
-class Amp(str, Enum):
+class Amp(StrEnum):
     """Autocast for forward and loss; fp16 adds a GradScaler."""
 
     off = "off"
     bf16 = "bf16"
     fp16 = "fp16"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Device(str, Enum):
+class Device(StrEnum):
     auto = "auto"  # cuda when available
     cuda = "cuda"
     cpu = "cpu"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

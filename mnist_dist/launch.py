@@ -59,17 +59,8 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    spawn(
-        _spawned_worker,
-        topology.world_size,
-        cfg,
-        run_dir,
-        data_dir,
-        topology,
-        log_path=log_path,
-        port=cfg.dist.port,
-        start_method=start,
-    )
+    worker_args = (cfg, run_dir, data_dir, topology)
+    spawn(_spawned_worker, topology.world_size, *worker_args, log_path=log_path, port=cfg.dist.port, start_method=start)
     return None
 
 
