@@ -31,14 +31,6 @@ class DataError(RuntimeError):
 FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console
 
 
-class FileOnly(logging.Filter):
-    """For console handlers: a record that carries a traceback is for the log file (the console gets
-    the one ``error:`` line the launcher prints instead), and so is one logged with ``FILE_ONLY``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None and not getattr(record, "file_only", False)
-
-
 def describe_os_error(error: OSError) -> str:
     """``cannot write <path>: No space left on device`` and the like; the path when there is one."""
     if error.filename:
@@ -47,7 +39,7 @@ def describe_os_error(error: OSError) -> str:
 
 
 def rank_log(fallback: Path) -> Path:
-    """The log file this process writes (train.setup_logging opened it), else ``fallback``."""
+    """The log file this process writes (setup_logging opened it), else ``fallback``."""
     for handler in logging.getLogger("mnist_dist").handlers:
         if isinstance(handler, logging.FileHandler):
             return Path(handler.baseFilename)
@@ -108,11 +100,22 @@ def log_thread_errors(log: logging.Logger) -> None:
     threading.excepthook = excepthook
 
 
-def console_handler() -> logging.Handler:
-    """stderr, without tracebacks and file-only records (see FileOnly)."""
-    handler = logging.StreamHandler()
-    handler.addFilter(FileOnly())
-    return handler
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to ``rank_<r>.log`` in the run directory; rank 0 also to the console, which gets
+    neither tracebacks (the launcher prints one ``error:`` line instead) nor ``FILE_ONLY`` records."""
+    log = logging.getLogger("mnist_dist")
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
+    if rank == 0:
+        console = logging.StreamHandler()
+        console.addFilter(lambda record: record.exc_info is None and not getattr(record, "file_only", False))
+        handlers.append(console)
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    log_thread_errors(log)
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
@@ -126,13 +129,9 @@ def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
     """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at
     once, with ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C).
 
-    For a command's first seconds, while torch and Hydra are imported: a KeyboardInterrupt there is a
-    traceback from deep inside the import machinery, and an exception raised there can even be lost
-    (C code that imports a module and clears the error when it fails), leaving the command running.
-    So the handler exits instead of raising: nothing has started that would need cleaning up. A
-    signal that was ignored (SIGINT of a job started with ``&`` from a script, SIGHUP under nohup) stays
-    ignored.
-    """
+    Exits rather than raises: while torch and Hydra are imported, a KeyboardInterrupt is a traceback from
+    deep inside the import machinery, or even lost (C code that clears the error), leaving the command
+    running. An ignored signal (SIGINT under ``&``, SIGHUP under nohup) stays ignored."""
 
     def leave(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
