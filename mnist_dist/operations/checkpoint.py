@@ -4,10 +4,8 @@ read back with clear errors, and kept in older copies for when the newest is unu
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
-is compatibility.py's question; what a run puts in it and takes out, resume.py's.
-
-Every file here is written by files.py's one atomic write: a symlink planted under the final
-name is replaced, never written through, and the file gets the user's umask like the rest of the run.
+is compatibility.py's question; what a run puts in it and takes out, resume.py's. Every file here is
+written by files.py's one atomic write.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import re
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -130,18 +128,6 @@ def _identity(path: Path) -> tuple:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
-def _damaged_entry(f: BinaryIO) -> str | None:
-    """The first entry of the checkpoint open as ``f`` whose CRC-32 is wrong, else None; _Unusable if it is
-    no zip archive (truncated, or not written by torch.save)."""
-    try:
-        with zipfile.ZipFile(f) as archive:
-            return archive.testzip()
-    except (zipfile.BadZipFile, EOFError, ValueError) as error:
-        raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
-    finally:
-        f.seek(0)
-
-
 def save_json(obj: dict, path: Path) -> None:
     """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
     files.write_text(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n"))
@@ -183,22 +169,24 @@ def load(path: Path) -> dict:
     try:
         return _read(path)
     except _Unusable as why:
-        older = kept_older(path)
-        hint = (
-            f"; older checkpoints there: {', '.join(p.name for p in older)} (resume={older[0]}; resume=auto "
-            "takes the newest readable one)"
-            if older
-            else ""
-        )
+        hint = ""
+        if older := kept_older(path):
+            names = ", ".join(p.name for p in older)
+            hint = f"; older checkpoints there: {names} (resume={older[0]}; resume=auto takes the newest readable one)"
         raise ConfigError(f"resume={path}: {why}{hint}") from None
 
 
 def _read(path: Path) -> dict:
     try:
         with os.fdopen(files.open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
-            damaged = _damaged_entry(f)
+            try:  # torch.load never checks the zip entries' CRC-32
+                with zipfile.ZipFile(f) as archive:
+                    damaged = archive.testzip()
+            except (zipfile.BadZipFile, EOFError, ValueError) as error:
+                raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
             if damaged:
                 raise _Unusable(f"its bytes are not the ones written (checksum of {damaged} wrong): damaged on disk")
+            f.seek(0)
             state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
         raise _Unusable(

@@ -1,17 +1,9 @@
-"""Stopping on a scheduler's warning: write a checkpoint and exit, so that the requeued job goes on.
+"""Stopping on a scheduler's warning (SIGUSR1 before the time limit, SIGTERM on preemption) under srun:
+write a checkpoint and exit ``REQUEUE``, so that the requeued job goes on (docs/operations.md).
 
-SLURM sends SIGUSR1 before the time limit when asked (``#SBATCH --signal=USR1@90``, as submitit does)
-and SIGTERM when it cancels or preempts a job. Under srun (``install``):
-
-- Before the first step (rendezvous, data preparation, building) there is nothing new to save: the
-  signal stops the job at once, exit ``REQUEUE``. A Python handler cannot run while the main thread
-  waits inside torch's C++ (a rendezvous waits up to ``dist.timeout_s``), so a thread that sees the
-  signal too ends the process itself if the handler has not run within ``_GRACE_S``.
-- From the first step on the handler only notes the signal, and after every step each rank votes on
-  whether any rank got one (a collective, so every rank stops after the same step, even if the signal
-  reached only some). A step's vote is read after the next step, so no step waits for it: the job stops
-  one or two steps after the signal, with a checkpoint. A signal during evaluation is acted on at the
-  step that follows it.
+Before the first step there is nothing new to save: the job stops at once. From then on each rank votes
+after every step on whether any rank got a signal (so every rank stops after the same step, even if the
+signal reached only some); a vote is read one step later, so no step waits for it.
 """
 
 from __future__ import annotations
@@ -65,7 +57,8 @@ def _before_training(name: str) -> str:
 
 
 def _watch_start_up(handled: list[bool]) -> None:
-    """Ends the process with REQUEUE if a signal before the first step finds the main thread inside C++."""
+    """Ends the process with REQUEUE if a signal before the first step finds the main thread inside torch's
+    C++ (a rendezvous waits up to ``dist.timeout_s``), where no Python handler runs, for ``_GRACE_S``."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # the interpreter writes each signal's number

@@ -105,15 +105,12 @@ def custom_scalars_summary() -> Summary:
 
 
 class Scalars:
-    """The run's TensorBoard directory, ``tb_dir(run_dir)``, with the chart layout; written on rank 0,
-    a no-op on the other ranks (they gather their numbers to rank 0).
+    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails
+    before it logs leaves none); written on rank 0, a no-op on the others.
 
-    Opened at the first write, so a run that fails before it logs anything leaves no TensorBoard run.
-    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from. Its first
-    write keeps every point the run logged up to there, on every tag (the time axis by its own unit), and
-    drops what the interrupted run logged after it. TensorBoard's own purge_step cannot do this: it drops
-    every step above it on every tag, the time axis's milliseconds included, and a resume that fails
-    after it was written would hide the history for good.
+    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from; the first
+    write keeps what was logged up to there and drops the rest. TensorBoard's purge_step cannot: it cuts
+    the time axis's milliseconds by step, and a resume that fails after it would hide the history for good.
     """
 
     def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
@@ -136,7 +133,11 @@ class Scalars:
         )
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
-            _refuse_a_link(Path(self._writer.file_writer.event_writer._file_name))  # torch exposes no other way
+            # Once opened: a link planted at the event file's name was written through; stop there.
+            event_file = Path(self._writer.file_writer.event_writer._file_name)  # torch exposes no other way
+            if event_file.is_symlink():
+                message = "a symbolic link was planted at the event file's name; remove it"
+                raise OSError(errno.ELOOP, message, str(event_file))
             if not kept:
                 self._writer.file_writer.add_summary(custom_scalars_summary())
             for event in kept:  # the layout among them
@@ -164,11 +165,8 @@ class Scalars:
                 self.writer.add_scalar(tag, value, step)
 
     def hparams(self, params: dict, metric_tags: list[str]) -> None:
-        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag.
-
-        Written into this directory (SummaryWriter.add_hparams would open a new one), so the metrics
-        are the scalars already logged here.
-        """
+        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag logged
+        here (SummaryWriter.add_hparams would open a new directory)."""
         if self.writer is None:
             return
         with self._naming_the_directory():
@@ -180,12 +178,6 @@ class Scalars:
             writer, self._writer = self._writer, None
             with self._naming_the_directory():
                 writer.close()
-
-
-def _refuse_a_link(path: Path) -> None:
-    """After TensorBoard opened its event file: if a link sat at that name, it wrote through it; stop there."""
-    if path.is_symlink():
-        raise OSError(errno.ELOOP, "a symbolic link was planted at the event file's name; remove it", str(path))
 
 
 TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
