@@ -1,10 +1,6 @@
-"""What a resume runs with and whether the checkpoint may resume it, checked in the parent before anything is
-written. A resume takes the run's own config (``resumed_config``), with only what the command sets; then
-the same model, global batch and data (unless told otherwise), weights and optimizer state that fit, a
-schedule over all steps of the same length, epochs left to train.
-
-The checkpoint's config is read as plain YAML (``_plain``): no interpolation, no resolver, no alias,
-bounded in size.
+"""What a resume runs with (``resumed_config``) and whether the checkpoint may resume it, checked in the
+parent before anything is written. The checkpoint's config is read as plain YAML (``_plain``): no
+interpolation, no resolver, no alias, bounded in size.
 """
 
 from __future__ import annotations
@@ -145,8 +141,7 @@ def check_resumable(state: dict, cfg: Config) -> None:
     Another world size is no change, only said: the global batches, and so the training, are the same."""
     saved = saved_settings(state)
     before = _leaves({"model": saved["model"], "batch_size": saved["batch_size"], "data": {"name": saved["data"]}})
-    mine = _container(cfg)
-    after = _leaves({"model": mine["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
+    after = _leaves({"model": _container(cfg)["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
     changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
     if changed and not cfg.resume_allow_changes:
         changes = "; ".join(f"{path} {_shown(before, path)} -> {_shown(after, path)}" for path in changed)
