@@ -131,30 +131,32 @@ def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
 
     Exits rather than raises: while torch and Hydra are imported, a KeyboardInterrupt is a traceback from
     deep inside the import machinery, or even lost (C code that clears the error), leaving the command
-    running. An ignored signal (SIGINT under ``&``, SIGHUP under nohup) stays ignored."""
+    running."""
 
     def leave(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
         os._exit(128 + signum)
 
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, leave)
+    _on_stop_signals(leave)
 
 
 def raise_on_interrupt() -> None:
     """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 raises KeyboardInterrupt, so that ``finally`` clauses
     run (they stop the workers and tidy the run directory); another one while they run ends the process at
     once (its workers die with it: mnist_dist.parallel.spawn)."""
+
+    def raise_interrupt(signum, frame) -> None:
+        _received.append(signum)
+        exit_on_interrupt("interrupted again: stopped at once")
+        raise KeyboardInterrupt
+
+    _on_stop_signals(raise_interrupt)
+
+
+def _on_stop_signals(handler) -> None:
     for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, _raise_interrupt)
-
-
-def _raise_interrupt(signum, frame) -> None:
-    _received.append(signum)
-    exit_on_interrupt("interrupted again: stopped at once")
-    raise KeyboardInterrupt
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (SIGINT under ``&``, SIGHUP under nohup)
+            signal.signal(signum, handler)
 
 
 def interrupted(message: str) -> NoReturn:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch.distributed as dist
@@ -100,8 +100,9 @@ def owned(run_dir: Path) -> Iterator[None]:
             raise ConfigError(
                 f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
             ) from None
-        if _is_at(fd, path):
-            break
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)  # removed by the run that held it as this launch opened it
     try:
         yield
@@ -110,17 +111,12 @@ def owned(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def _is_at(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
 def refuse_another_run(run_dir: Path) -> None:
     """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
     checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
-    held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if _a_file(run_dir / name)]
+    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
+    paths = [run_dir / name for name in ("results.json", "model.pt", "checkpoint.pt")]
+    held = [path.name for path in paths if path.is_file() and not path.is_symlink()]
     if "checkpoint.pt" in held and "results.json" not in held:
         raise ConfigError(
             f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "
@@ -131,11 +127,6 @@ def refuse_another_run(run_dir: Path) -> None:
             f"{run_dir} holds a finished run ({', '.join(held)}), which a fresh run would replace; pass another "
             "hydra.run.dir"
         )
-
-
-def _a_file(path: Path) -> bool:
-    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
-    return path.is_file() and not path.is_symlink()
 
 
 def on_this_node(run_dir: Path) -> Path:

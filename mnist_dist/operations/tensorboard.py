@@ -4,8 +4,7 @@ One TensorBoard run per training run, ``<run>/tb``: every log window the ranks g
 rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
 node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
 mode overlay; every tag, and what it means: docs/tensorboard.md#every-tag (tests/test_view.py checks that
-it lists every tag a run writes). ``LAYOUT`` is the CUSTOM SCALARS tab: the comparison charts first,
-per-rank details in a folded section.
+it lists every tag a run writes).
 """
 
 from __future__ import annotations
@@ -86,19 +85,14 @@ def window_tags(gathered: list[list[float]], names: list[str]) -> dict[str, floa
 def custom_scalars_summary() -> Summary:
     """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
     fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
-    layout = layout_pb2.Layout(
-        category=[
-            layout_pb2.Category(
-                title=title,
-                closed=not open_,
-                chart=[
-                    layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
-                    for chart, regex in charts
-                ],
-            )
-            for title, open_, charts in LAYOUT
-        ]
-    )
+
+    def chart(title: str, regex: str) -> layout_pb2.Chart:
+        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+
+    sections = [
+        layout_pb2.Category(title=t, closed=not open_, chart=[chart(*c) for c in cs]) for t, open_, cs in LAYOUT
+    ]
+    layout = layout_pb2.Layout(category=sections)
     tensor = TensorProto(dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
     metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
     return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
