@@ -63,7 +63,6 @@ def save(obj: Any, path: Path) -> None:
 
 def save_kept(state: dict, path: Path, keep: int) -> None:
     """``save`` that keeps the ``keep - 1`` previous checkpoints as ``<name>.1.pt`` (newest), ``<name>.2.pt``...
-
     ``path`` is never missing nor partial: the previous file gets its new name as a hard link (a copy where
     the file system has none) before the new one atomically replaces it. The older ones are for when the
     newest is unusable. Only a checkpoint that could be resumed from (``usable``) takes a kept place: one
@@ -109,10 +108,9 @@ def _regular(path: Path) -> bool:
 
 
 def usable(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``). A
-    file is read once per process: renames keep its identity (device, inode, size, time), and the files this
-    process saved or read are known."""
-    if not _regular(path):  # a planted link is never rotated into a kept place
+    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``); read
+    once per process (by identity: renames keep it, and what this process saved or read is known)."""
+    if not _regular(path):
         return False
     key = _identity(path)
     if key not in _usable:

@@ -186,9 +186,8 @@ def _shown(settings: dict, path: str) -> str:
 
 
 def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
-    # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch. Resumed with
-    # another length it would step past its plan (an error after the run directory was written to) or
-    # stop short of it.
+    # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch: resumed with
+    # another length it would step past its plan (an error after the run directory was written to) or stop short.
     name = str(cfg.scheduler.get("_target_", "scheduler")).rsplit(".", 1)[-1]
     if state["epoch"] >= saved["epochs"]:
         raise ConfigError(
@@ -205,9 +204,8 @@ def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
 
 
 def _check_restorable(state: dict, cfg: Config) -> bool:
-    # What train does on resume, done here on the CPU: a model or optimizer that does not fit fails
-    # now, with one line, not in every worker after the run directory was written to. Returns whether
-    # the scheduler steps after every step (it then plans the whole run: _check_plan).
+    # What train does on resume, on the CPU: what does not fit fails now, in one line, not in every worker after
+    # the run directory was written to. Returns whether the scheduler steps every step (then: _check_plan).
     try:
         model = instantiate(cfg.model)
         model.load_state_dict(state["model"])

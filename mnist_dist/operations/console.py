@@ -1,9 +1,6 @@
 """What rank 0 shows on the console (docs/running.md): the command line's overrides in one line (the full
-config goes to config.yaml and the log file), the progress, one line of results, and a sweep's directory.
-
-The progress is a tqdm bar in a terminal, and elsewhere (a pipe, a log file, CI) a log line every
-``interval_s`` once the first numbers are in, so a run is visibly alive.
-"""
+config goes to config.yaml and the log file), the progress (a tqdm bar in a terminal, else a log line every
+``interval_s``, so that a run in CI is visibly alive), one line of results, and a sweep's directory."""
 
 from __future__ import annotations
 

@@ -83,8 +83,7 @@ def slurm_job() -> str:
 
 
 def slurm_port() -> int:
-    # Hashed, so that jobs do not collide by construction (15000 + job % 20000 gave jobs 1234 and 21234 one
-    # port); a collision that remains fails at once (_slurm_store) instead of joining another job.
+    # Hashed: no collision by construction; one that remains fails at once (slurm.rendezvous_store).
     digest = hashlib.sha256(slurm_job().encode()).digest()
     return _SLURM_PORTS[int.from_bytes(digest[:4], "big") % len(_SLURM_PORTS)]
 

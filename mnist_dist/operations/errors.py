@@ -126,12 +126,10 @@ _received: list[int] = []  # the signal that interrupted the command, for its ex
 
 
 def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
-    """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at
-    once, with ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C).
-
-    Exits rather than raises: while torch and Hydra are imported, a KeyboardInterrupt is a traceback from
-    deep inside the import machinery, or even lost (C code that clears the error), leaving the command
-    running."""
+    """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at once, with
+    ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C). Exits rather than raises: while
+    torch and Hydra are imported, a KeyboardInterrupt is a traceback from deep inside the import machinery, or even lost
+    (C code that clears the error), leaving the command running."""
 
     def leave(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write

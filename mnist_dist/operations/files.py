@@ -38,13 +38,12 @@ def create_new(directory: Path, name: str, suffix: str = ".tmp") -> Pending:
 
 @contextmanager
 def atomic(target: Path) -> Iterator[Pending]:
-    """Yields a new temp file beside ``target`` (O_EXCL|O_NOFOLLOW: nothing planted there is followed); once
-    the body returns, it holds the bytes on disk and replaces ``target`` in one step (a link there is
-    replaced, its target untouched). If the body raises, the temp file goes and ``target`` is as it was.
-
-    An OSError names ``target`` (a write to a descriptor names no file). A write killed by a signal
-    leaves its temp file: the next write of the same target removes it (run directories and the data
-    root's raw/ are written by one process at a time: the run's lock, prepare's lock)."""
+    """Yields a new temp file beside ``target`` (O_EXCL|O_NOFOLLOW: nothing planted there is followed); once the body
+    returns, it holds the bytes on disk and replaces ``target`` in one step (a link there is replaced, its target
+    untouched). If the body raises, the temp file goes and ``target`` is as it was. An OSError names ``target`` (a write
+    to a descriptor names no file). A write killed by a signal leaves its temp file: the next write of the same target
+    removes it (run directories and the data root's raw/ are written by one process at a time: the run's lock, prepare's
+    lock)."""
     target = Path(target)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
         stale.unlink(missing_ok=True)  # a link itself, never its target

@@ -78,12 +78,9 @@ OmegaConf.register_new_resolver("unique_subdir", unique_subdir, replace=True)
 
 @contextmanager
 def owned(run_dir: Path) -> Iterator[None]:
-    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already.
-
-    The lock is an flock: the kernel releases it when its holder dies, however it dies. Its file goes when the
-    body ends, removed while still held, so a finished run's directory holds only what the run wrote; a launch
-    that opened the file just before that finds the file it locked gone, and takes a new one.
-    """
+    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. An flock:
+    the kernel releases it when its holder dies, however it dies. Its file goes when the body ends, removed
+    while still held (a launch that opened it just before finds the file it locked gone, and takes a new one)."""
     path = run_dir / LOCK
     while True:
         try:
@@ -130,12 +127,9 @@ def refuse_another_run(run_dir: Path) -> None:
 
 
 def on_this_node(run_dir: Path) -> Path:
-    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls).
-
-    A directory under rank 0's working directory lands at the same place under this node's working
-    directory (the default ``outputs/...`` included); any other at the same absolute path. Each node
-    thus needs only its own disk.
-    """
+    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls), so
+    that each node needs only its own disk. One under rank 0's working directory (the default ``outputs/...``)
+    lands at the same place under this node's; any other at the same absolute path."""
     shared = [str(run_dir), os.getcwd()]
     dist.broadcast_object_list(shared, src=0)
     path, rank0_cwd = Path(shared[0]), Path(shared[1])

@@ -99,13 +99,11 @@ def custom_scalars_summary() -> Summary:
 
 
 class Scalars:
-    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails
-    before it logs leaves none); written on rank 0, a no-op on the others.
-
-    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from; the first
-    write keeps what was logged up to there and drops the rest. TensorBoard's purge_step cannot: it cuts
-    the time axis's milliseconds by step, and a resume that fails after it would hide the history for good.
-    """
+    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it logs
+    leaves none); written on rank 0, a no-op on the others. ``resumed_at``: (step, training milliseconds) of the
+    checkpoint a resumed run goes on from; the first write keeps what was logged up to there and drops the rest.
+    TensorBoard's purge_step cannot: it cuts the time axis's milliseconds by step, and a resume that fails after it
+    would hide the history for good."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
         self.directory = tb_dir(run_dir)
@@ -120,11 +118,8 @@ class Scalars:
         files.own_directory(self.directory)  # a planted tb link is refused: its target is never written nor purged
         # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
         old = sorted(self.directory.glob("events.out.tfevents.*"))
-        kept = (
-            _events_up_to([p for p in old if p.is_file() and not p.is_symlink()], *self.resumed_at)
-            if self.resumed_at
-            else []
-        )
+        real = [p for p in old if p.is_file() and not p.is_symlink()]
+        kept = _events_up_to(real, *self.resumed_at) if self.resumed_at else []
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
             # Once opened: a link planted at the event file's name was written through; stop there.
