@@ -169,14 +169,9 @@ def check_resumable(state: dict, cfg: Config) -> None:
             "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
             "it was trained with"
         )
-    ranks = world_size(cfg)  # under torchrun or srun, launch has set gpus to what runs
-    if state["world_size"] != ranks:
-        log.info(
-            "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
-            ranks,
-            state["world_size"],
-            ranks,
-        )
+    if (ranks := world_size(cfg)) != (written := state["world_size"]):  # launch has set gpus to what runs
+        message = "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways"
+        log.info(message, ranks, written, ranks)
 
 
 def _shown(settings: dict, path: str) -> str:

@@ -12,17 +12,15 @@ import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 _NOT_REGULAR = "not a regular file (a FIFO? a device?), which mnist_dist neither reads nor writes; remove it"
 _NOT_OURS = "not a directory of this run (a symbolic link?), which mnist_dist does not write into; remove it"
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-@dataclass
-class Pending:
+class Pending(NamedTuple):
     """A file being written: ``file`` to write to, ``path`` (the temp name) to read it back by."""
 
     file: BinaryIO

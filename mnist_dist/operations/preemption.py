@@ -85,8 +85,7 @@ def requested(step: int) -> str | None:
     if not _group:
         # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
         _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
-    if not _training:
-        _training.append(True)
+    _training[:] = [True]
     vote = torch.tensor([float(bool(_received))])
     work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
     previous, _votes[:] = _votes[:], [(work, vote)]
