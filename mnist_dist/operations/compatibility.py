@@ -27,8 +27,7 @@ log = logging.getLogger("mnist_dist")
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 
 
-class _Aliased(Exception):
-    pass
+REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
 
 
 class _PlainYaml(yaml.SafeLoader):
@@ -37,11 +36,10 @@ class _PlainYaml(yaml.SafeLoader):
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
-            raise _Aliased
+            raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes"))
         return super().compose_node(parent, index)
 
 
-REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
 # The key that names a group's class: another class brings its own keys
 GROUPS = {"mode": "name", "model": "_target_", "optim": "_target_", "scheduler": "_target_"}
 
@@ -52,8 +50,8 @@ def _plain(state: dict) -> Any:
         raise ConfigError(REFUSED.format("is over 1 MiB, far more than mnist_dist writes"))
     try:
         return yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
-    except _Aliased:
-        raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes")) from None
+    except ConfigError:
+        raise
     except Exception:  # not YAML, nested too deep: the same to the user as a config of another program
         return None
 
