@@ -48,7 +48,6 @@ _ENTRIES = {
 
 _LEAST = {"epoch": 0, "epoch_step": 0, "step": 0, "world_size": 1}  # what a position can be at least
 _usable: dict[tuple, bool] = {}  # by file identity (``_identity``): whether ``usable``
-_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}
 
 log = logging.getLogger("mnist_dist")
 
@@ -94,7 +93,7 @@ def _link_or_copy(path: Path, dest: Path) -> None:
     try:
         os.link(path, dest)
     except OSError as error:  # EPERM, ENOTSUP, EXDEV...: a file system without hard links (FAT, some FUSE)
-        if error.errno not in _NO_HARD_LINKS:
+        if error.errno not in {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}:
             raise
         files.write(dest, path.read_bytes())
 

@@ -96,8 +96,7 @@ def summary_line(info: dict) -> str:
     flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
     line = (
         f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
-        f"{info['torch_threads']} torch threads, "
-        f"{info['memory_gib']:g} GiB, torch {info['torch']}"
+        f"{info['torch_threads']} torch threads, {info['memory_gib']:g} GiB, torch {info['torch']}"
     )
     if info.get("gpus"):
         line += f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']}, driver {info['driver']})"

@@ -21,6 +21,10 @@ from mnist_dist.parallel import heartbeat
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _GRACE_S = 5.0  # for the handler to stop the job before the watching thread does
+_BEFORE_TRAINING = (  # the one line of a job stopped by a signal before the first step
+    "stopped by {} before the first step: nothing new to save; start the job again (resume=auto goes on from the "
+    "last checkpoint)"
+)
 _received: list[str] = []
 _installed: list[bool] = []
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
@@ -41,19 +45,12 @@ def install() -> None:
         _received.append(name)
         if not _training:
             handled.append(True)
-            raise Stopped(_before_training(name))
+            raise Stopped(_BEFORE_TRAINING.format(name))
 
     for signum in _SIGNALS:
         signal.signal(signum, on_signal)
     _watch_start_up(handled)
     _installed.append(True)
-
-
-def _before_training(name: str) -> str:
-    return (
-        f"stopped by {name} before the first step: nothing new to save; start the job again (resume=auto "
-        "goes on from the last checkpoint)"
-    )
 
 
 def _watch_start_up(handled: list[bool]) -> None:
@@ -69,7 +66,7 @@ def _watch_start_up(handled: list[bool]) -> None:
                 continue
             time.sleep(_GRACE_S)
             if not handled:
-                os.write(2, f"{_before_training(signal.Signals(received[-1]).name)}\n".encode())
+                os.write(2, f"{_BEFORE_TRAINING.format(signal.Signals(received[-1]).name)}\n".encode())
                 os._exit(REQUEUE)
 
     threading.Thread(target=watch, name="preemption_watch", daemon=True).start()
