@@ -46,7 +46,8 @@ def fetch_file(source: str, gz_name: str, md5: str | None, dest: Path, limit: in
                 out.file.write(chunk)
         out.file.flush()
         yield out.path
-    _record_fetched(dest)
+    root = dest.parent.parent
+    files.write_text(root / _FETCHED, json.dumps({**_fetched_record(root), dest.name: dest.stat().st_ino}))
 
 
 def fetched_here(dest: Path) -> bool:
@@ -76,11 +77,6 @@ def _fetched_record(root: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return fetched if isinstance(fetched, dict) else {}
-
-
-def _record_fetched(dest: Path) -> None:
-    fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
-    files.write_text(dest.parent.parent / _FETCHED, json.dumps(fetched))
 
 
 @contextmanager
