@@ -78,7 +78,8 @@ def resumed_config(state: dict, cfg: Config, named: Sequence[str] = ()) -> Confi
     saved_settings(state)  # the parts every check reads are there, of their types
     saved, mine, default = _plain(state), _leaves(_container(cfg)), _leaves(_container(_defaults()))
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in named}
-    chosen = {path for path in mine if mine[path] != default.get(path, _NONE) or _under(path, keys)}
+    on_command_line = {path for path in mine if any(path == key or path.startswith(f"{key}.") for key in keys)}
+    chosen = {path for path in mine if mine[path] != default.get(path, _NONE) or path in on_command_line}
     chosen |= {path for path in default if path not in mine}  # ~model.dropout
     replaced = {group for group, key in GROUPS.items() if f"{group}.{key}" in chosen}
     merged = {path: value for path, value in _leaves(saved).items() if path.split(".")[0] not in replaced}
@@ -127,10 +128,6 @@ def _tree(leaves: dict[str, Any]) -> dict:
             node = node.setdefault(parent, {})
         node[key] = value
     return tree
-
-
-def _under(path: str, keys: set[str]) -> bool:
-    return any(path == key or path.startswith(f"{key}.") for key in keys)
 
 
 def check_resumable(state: dict, cfg: Config) -> None:

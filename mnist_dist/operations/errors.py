@@ -50,7 +50,7 @@ def last_resort(error: BaseException, log: Path) -> str:
     """The one line for an error nobody handled; its traceback is appended to ``log`` unless the
     worker logged it there already."""
     summary = f"{type(error).__name__}: {error}"
-    first = summary.splitlines()[0] if summary.strip() else type(error).__name__
+    first = summary.splitlines()[0]  # never empty: the type's name leads
     try:
         if not (log.is_file() and summary in log.read_text(errors="replace")):
             with append_no_follow(log) as handle:

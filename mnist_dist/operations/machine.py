@@ -84,8 +84,7 @@ def _gpu_name() -> str:
 
 def _nvidia_driver() -> str:
     # The kernel module reports its version here; no nvidia-smi subprocess needed.
-    text = _read("/proc/driver/nvidia/version")
-    for word in text.split():
+    for word in _read("/proc/driver/nvidia/version").split():
         if word[:1].isdigit() and "." in word:
             return word
     return "unknown"
