@@ -1,11 +1,10 @@
-"""Checkpoint files: written so that a crash mid-write never leaves a half file under the final name,
-read back with clear errors, and kept in older copies for when the newest is unusable.
+"""Checkpoint files: written atomically (files.py), read back with clear errors, and kept in older copies
+for when the newest is unusable.
 
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
-is compatibility.py's question; what a run puts in it and takes out, resume.py's. Every file here is
-written by files.py's one atomic write.
+is compatibility.py's question; what a run puts in it and takes out, resume.py's.
 """
 
 from __future__ import annotations

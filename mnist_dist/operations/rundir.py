@@ -10,6 +10,7 @@ given explicitly (``hydra.run.dir=...``) is protected by the lock instead.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -29,14 +30,11 @@ def _claim(parent: Path, name: str) -> str:
     """``name``, or ``name_<n>`` for the first n >= 2 free in ``parent``, created there (an atomic mkdir: of
     two launches, exactly one creates it)."""
     parent.mkdir(parents=True, exist_ok=True)
-    candidate, n = name, 1
-    while True:
-        try:
+    for n in itertools.count(1):
+        candidate = f"{name}_{n}" if n > 1 else name
+        with suppress(FileExistsError):
             os.mkdir(parent / candidate)
             break
-        except FileExistsError:
-            n += 1
-            candidate = f"{name}_{n}"
     _made.add((parent / candidate).resolve())
     return candidate
 
