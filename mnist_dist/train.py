@@ -27,7 +27,7 @@ from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.operations import checkpoint, preemption, profiling
 from mnist_dist.operations.console import Progress
-from mnist_dist.operations.errors import FILE_ONLY, NoFollowFileHandler, console_handler, log_thread_errors
+from mnist_dist.operations.errors import FILE_ONLY, setup_logging
 from mnist_dist.operations.results import finish
 from mnist_dist.operations.resume import Losses, restore, save_checkpoint
 from mnist_dist.operations.tensorboard import Scalars, window_tags
@@ -267,18 +267,3 @@ def end_epoch(run: Run, epoch: int, started: float, evaluated: bool) -> None:
     save_checkpoint(run, epoch, 0)
     score = run.score
     log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, score.loss, 100 * score.accuracy, seconds)
-
-
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Every rank logs to ``rank_<r>.log`` in the run directory; rank 0 also to the console."""
-    log.setLevel(logging.INFO)
-    log.handlers.clear()
-    log.propagate = False
-    formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
-    if rank == 0:
-        handlers.append(console_handler())  # tracebacks and the full config go to the log file only
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        log.addHandler(handler)
-    log_thread_errors(log)

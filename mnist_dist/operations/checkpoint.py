@@ -1,13 +1,10 @@
-"""Checkpoint files: written so that a crash mid-write never leaves a half file under the final name,
-read back with clear errors, and kept in older copies for when the newest is unusable.
+"""Checkpoint files: written atomically (files.py), read back with clear errors, and kept in older copies
+for when the newest is unusable.
 
 A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
 a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
 its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
 is compatibility.py's question; what a run puts in it and takes out, resume.py's.
-
-Every file here is written by files.py's one atomic write: a symlink planted under the final
-name is replaced, never written through, and the file gets the user's umask like the rest of the run.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import re
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -50,7 +47,6 @@ _ENTRIES = {
 
 _LEAST = {"epoch": 0, "epoch_step": 0, "step": 0, "world_size": 1}  # what a position can be at least
 _usable: dict[tuple, bool] = {}  # by file identity (``_identity``): whether ``usable``
-_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}
 
 log = logging.getLogger("mnist_dist")
 
@@ -65,7 +61,6 @@ def save(obj: Any, path: Path) -> None:
 
 def save_kept(state: dict, path: Path, keep: int) -> None:
     """``save`` that keeps the ``keep - 1`` previous checkpoints as ``<name>.1.pt`` (newest), ``<name>.2.pt``...
-
     ``path`` is never missing nor partial: the previous file gets its new name as a hard link (a copy where
     the file system has none) before the new one atomically replaces it. The older ones are for when the
     newest is unusable. Only a checkpoint that could be resumed from (``usable``) takes a kept place: one
@@ -97,7 +92,7 @@ def _link_or_copy(path: Path, dest: Path) -> None:
     try:
         os.link(path, dest)
     except OSError as error:  # EPERM, ENOTSUP, EXDEV...: a file system without hard links (FAT, some FUSE)
-        if error.errno not in _NO_HARD_LINKS:
+        if error.errno not in {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}:
             raise
         files.write(dest, path.read_bytes())
 
@@ -111,10 +106,9 @@ def _regular(path: Path) -> bool:
 
 
 def usable(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``). A
-    file is read once per process: renames keep its identity (device, inode, size, time), and the files this
-    process saved or read are known."""
-    if not _regular(path):  # a planted link is never rotated into a kept place
+    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``); read
+    once per process (by identity: renames keep it, and what this process saved or read is known)."""
+    if not _regular(path):
         return False
     key = _identity(path)
     if key not in _usable:
@@ -128,18 +122,6 @@ def usable(path: Path) -> bool:
 def _identity(path: Path) -> tuple:
     status = path.stat()
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
-
-
-def _damaged_entry(f: BinaryIO) -> str | None:
-    """The first entry of the checkpoint open as ``f`` whose CRC-32 is wrong, else None; _Unusable if it is
-    no zip archive (truncated, or not written by torch.save)."""
-    try:
-        with zipfile.ZipFile(f) as archive:
-            return archive.testzip()
-    except (zipfile.BadZipFile, EOFError, ValueError) as error:
-        raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
-    finally:
-        f.seek(0)
 
 
 def save_json(obj: dict, path: Path) -> None:
@@ -183,22 +165,24 @@ def load(path: Path) -> dict:
     try:
         return _read(path)
     except _Unusable as why:
-        older = kept_older(path)
-        hint = (
-            f"; older checkpoints there: {', '.join(p.name for p in older)} (resume={older[0]}; resume=auto "
-            "takes the newest readable one)"
-            if older
-            else ""
-        )
+        hint = ""
+        if older := kept_older(path):
+            names = ", ".join(p.name for p in older)
+            hint = f"; older checkpoints there: {names} (resume={older[0]}; resume=auto takes the newest readable one)"
         raise ConfigError(f"resume={path}: {why}{hint}") from None
 
 
 def _read(path: Path) -> dict:
     try:
         with os.fdopen(files.open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
-            damaged = _damaged_entry(f)
+            try:  # torch.load never checks the zip entries' CRC-32
+                with zipfile.ZipFile(f) as archive:
+                    damaged = archive.testzip()
+            except (zipfile.BadZipFile, EOFError, ValueError) as error:
+                raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
             if damaged:
                 raise _Unusable(f"its bytes are not the ones written (checksum of {damaged} wrong): damaged on disk")
+            f.seek(0)
             state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
         raise _Unusable(

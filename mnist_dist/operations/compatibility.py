@@ -1,10 +1,6 @@
-"""What a resume runs with and whether the checkpoint may resume it, checked in the parent before anything is
-written. A resume takes the run's own config (``resumed_config``), with only what the command sets; then
-the same model, global batch and data (unless told otherwise), weights and optimizer state that fit, a
-schedule over all steps of the same length, epochs left to train.
-
-The checkpoint's config is read as plain YAML (``_plain``): no interpolation, no resolver, no alias,
-bounded in size.
+"""What a resume runs with (``resumed_config``) and whether the checkpoint may resume it, checked in the
+parent before anything is written. The checkpoint's config is read as plain YAML (``_plain``): no
+interpolation, no resolver, no alias, bounded in size.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ log = logging.getLogger("mnist_dist")
 CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
 
 
-class _Aliased(Exception):
-    pass
+REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
 
 
 class _PlainYaml(yaml.SafeLoader):
@@ -41,11 +36,10 @@ class _PlainYaml(yaml.SafeLoader):
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
-            raise _Aliased
+            raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes"))
         return super().compose_node(parent, index)
 
 
-REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
 # The key that names a group's class: another class brings its own keys
 GROUPS = {"mode": "name", "model": "_target_", "optim": "_target_", "scheduler": "_target_"}
 
@@ -56,8 +50,8 @@ def _plain(state: dict) -> Any:
         raise ConfigError(REFUSED.format("is over 1 MiB, far more than mnist_dist writes"))
     try:
         return yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
-    except _Aliased:
-        raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes")) from None
+    except ConfigError:
+        raise
     except Exception:  # not YAML, nested too deep: the same to the user as a config of another program
         return None
 
@@ -84,7 +78,8 @@ def resumed_config(state: dict, cfg: Config, named: Sequence[str] = ()) -> Confi
     saved_settings(state)  # the parts every check reads are there, of their types
     saved, mine, default = _plain(state), _leaves(_container(cfg)), _leaves(_container(_defaults()))
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in named}
-    chosen = {path for path in mine if mine[path] != default.get(path, _NONE) or _under(path, keys)}
+    on_command_line = {path for path in mine if any(path == key or path.startswith(f"{key}.") for key in keys)}
+    chosen = {path for path in mine if mine[path] != default.get(path, _NONE) or path in on_command_line}
     chosen |= {path for path in default if path not in mine}  # ~model.dropout
     replaced = {group for group, key in GROUPS.items() if f"{group}.{key}" in chosen}
     merged = {path: value for path, value in _leaves(saved).items() if path.split(".")[0] not in replaced}
@@ -135,18 +130,13 @@ def _tree(leaves: dict[str, Any]) -> dict:
     return tree
 
 
-def _under(path: str, keys: set[str]) -> bool:
-    return any(path == key or path.startswith(f"{key}.") for key in keys)
-
-
 def check_resumable(state: dict, cfg: Config) -> None:
     """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
     the run could not restore: checked before anything is written, on a config that passed config.validate.
     Another world size is no change, only said: the global batches, and so the training, are the same."""
     saved = saved_settings(state)
     before = _leaves({"model": saved["model"], "batch_size": saved["batch_size"], "data": {"name": saved["data"]}})
-    mine = _container(cfg)
-    after = _leaves({"model": mine["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
+    after = _leaves({"model": _container(cfg)["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
     changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
     if changed and not cfg.resume_allow_changes:
         changes = "; ".join(f"{path} {_shown(before, path)} -> {_shown(after, path)}" for path in changed)
@@ -174,14 +164,9 @@ def check_resumable(state: dict, cfg: Config) -> None:
             "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
             "it was trained with"
         )
-    ranks = world_size(cfg)  # under torchrun or srun, launch has set gpus to what runs
-    if state["world_size"] != ranks:
-        log.info(
-            "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways",
-            ranks,
-            state["world_size"],
-            ranks,
-        )
+    if (ranks := world_size(cfg)) != (written := state["world_size"]):  # launch has set gpus to what runs
+        message = "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways"
+        log.info(message, ranks, written, ranks)
 
 
 def _shown(settings: dict, path: str) -> str:
@@ -191,9 +176,8 @@ def _shown(settings: dict, path: str) -> str:
 
 
 def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
-    # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch. Resumed with
-    # another length it would step past its plan (an error after the run directory was written to) or
-    # stop short of it.
+    # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch: resumed with
+    # another length it would step past its plan (an error after the run directory was written to) or stop short.
     name = str(cfg.scheduler.get("_target_", "scheduler")).rsplit(".", 1)[-1]
     if state["epoch"] >= saved["epochs"]:
         raise ConfigError(
@@ -210,9 +194,8 @@ def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
 
 
 def _check_restorable(state: dict, cfg: Config) -> bool:
-    # What train does on resume, done here on the CPU: a model or optimizer that does not fit fails
-    # now, with one line, not in every worker after the run directory was written to. Returns whether
-    # the scheduler steps after every step (it then plans the whole run: _check_plan).
+    # What train does on resume, on the CPU: what does not fit fails now, in one line, not in every worker after
+    # the run directory was written to. Returns whether the scheduler steps every step (then: _check_plan).
     try:
         model = instantiate(cfg.model)
         model.load_state_dict(state["model"])

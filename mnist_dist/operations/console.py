@@ -1,20 +1,6 @@
-"""What rank 0 shows on the console: one line of config, and the progress.
-
-The config: the console gets the command line's overrides, in one line; the full config goes to
-config.yaml and to the log file (``mnist_dist.operations.errors.FILE_ONLY`` marks such records). The end: one
-line of results and the run directory (all of them in results.json); a sweep (``-m``) then says its
-directory and the TensorBoard command for it.
-
-The progress: a tqdm bar in a terminal, and a log line at intervals everywhere else.
-
-Why no bar used to show, even under ``script -q -c "python -m mnist_dist ..."``: tqdm sizes its bar
-from the terminal it writes to, and a pseudo-terminal that was never given a window size (``script``
-without a controlling terminal, CI runners, ``docker exec -t``) reports 0 rows and 0 columns; tqdm
-then prints every refresh as an empty line. So the size is read here and a zero replaced by 80x24.
-Without a terminal at all (a pipe, a log file) there is no bar, and a line
-``step 300/937 (epoch 1/1): loss 0.4123, 1,402 images/s, ETA 0:07:40`` goes to the log instead:
-once the first numbers are in, then every ``interval_s``, so a run is visibly alive in CI.
-"""
+"""What rank 0 shows on the console (docs/running.md): the command line's overrides in one line (the full
+config goes to config.yaml and the log file), the progress (a tqdm bar in a terminal, else a log line every
+``interval_s``, so that a run in CI is visibly alive), one line of results, and a sweep's directory."""
 
 from __future__ import annotations
 
@@ -63,7 +49,9 @@ class SweepSummary(Callback):
 
 
 def terminal_size(stream: TextIO) -> tuple[int, int] | None:
-    """(columns, rows) of the terminal behind ``stream``, 0s replaced by 80x24; None if not a terminal."""
+    """(columns, rows) of the terminal behind ``stream``, 0s replaced by 80x24; None if not a terminal.
+    A pseudo-terminal never given a size (``script``, CI runners, ``docker exec -t``) reports 0x0, and tqdm
+    then prints every refresh as an empty line."""
     try:
         if not stream.isatty():
             return None

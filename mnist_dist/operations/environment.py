@@ -1,7 +1,5 @@
-"""Who started this process as one of a job's workers, read once from the variables torchrun and srun set:
-which launcher, and this worker's rank, world size, local rank and local world size, checked (a rank
-beyond the world size, a value that is not a number, a batch step taken for a task). mnist_dist/topology.py
-builds the job's topology from them."""
+"""Who started this process as one of a job's workers (torchrun, srun), and its ranks and sizes, read from
+the launcher's variables and checked; mnist_dist/topology.py builds the job's topology from them."""
 
 from __future__ import annotations
 
@@ -21,11 +19,8 @@ _SLURM_PORTS = range(15000, 32768)
 
 
 def launcher() -> str:
-    """Who started this process as one of a job's workers: "torchrun", "srun", or "" (we start them).
-
-    srun counts only with more than one task: a one-task job runs as usual, and the batch step of an
-    sbatch script is refused by ``resolve`` (it is not one of the tasks).
-    """
+    """Who started the workers: "torchrun", "srun", or "" (this process does). srun counts only with more than
+    one task: a one-task job runs as usual, and an sbatch script's batch step is refused (``refuse_batch_step``)."""
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
         return "torchrun"
     if all(key in os.environ for key in _SLURM) and _whole("SLURM_NTASKS") > 1:
@@ -88,8 +83,7 @@ def slurm_job() -> str:
 
 
 def slurm_port() -> int:
-    # Hashed, so that jobs do not collide by construction (15000 + job % 20000 gave jobs 1234 and 21234 one
-    # port); a collision that remains fails at once (_slurm_store) instead of joining another job.
+    # Hashed: no collision by construction; one that remains fails at once (slurm.rendezvous_store).
     digest = hashlib.sha256(slurm_job().encode()).digest()
     return _SLURM_PORTS[int.from_bytes(digest[:4], "big") % len(_SLURM_PORTS)]
 

@@ -31,14 +31,6 @@ class DataError(RuntimeError):
 FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file, not the console
 
 
-class FileOnly(logging.Filter):
-    """For console handlers: a record that carries a traceback is for the log file (the console gets
-    the one ``error:`` line the launcher prints instead), and so is one logged with ``FILE_ONLY``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None and not getattr(record, "file_only", False)
-
-
 def describe_os_error(error: OSError) -> str:
     """``cannot write <path>: No space left on device`` and the like; the path when there is one."""
     if error.filename:
@@ -47,7 +39,7 @@ def describe_os_error(error: OSError) -> str:
 
 
 def rank_log(fallback: Path) -> Path:
-    """The log file this process writes (train.setup_logging opened it), else ``fallback``."""
+    """The log file this process writes (setup_logging opened it), else ``fallback``."""
     for handler in logging.getLogger("mnist_dist").handlers:
         if isinstance(handler, logging.FileHandler):
             return Path(handler.baseFilename)
@@ -58,7 +50,7 @@ def last_resort(error: BaseException, log: Path) -> str:
     """The one line for an error nobody handled; its traceback is appended to ``log`` unless the
     worker logged it there already."""
     summary = f"{type(error).__name__}: {error}"
-    first = summary.splitlines()[0] if summary.strip() else type(error).__name__
+    first = summary.splitlines()[0]  # never empty: the type's name leads
     try:
         if not (log.is_file() and summary in log.read_text(errors="replace")):
             with append_no_follow(log) as handle:
@@ -108,11 +100,22 @@ def log_thread_errors(log: logging.Logger) -> None:
     threading.excepthook = excepthook
 
 
-def console_handler() -> logging.Handler:
-    """stderr, without tracebacks and file-only records (see FileOnly)."""
-    handler = logging.StreamHandler()
-    handler.addFilter(FileOnly())
-    return handler
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to ``rank_<r>.log`` in the run directory; rank 0 also to the console, which gets
+    neither tracebacks (the launcher prints one ``error:`` line instead) nor ``FILE_ONLY`` records."""
+    log = logging.getLogger("mnist_dist")
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
+    if rank == 0:
+        console = logging.StreamHandler()
+        console.addFilter(lambda record: record.exc_info is None and not getattr(record, "file_only", False))
+        handlers.append(console)
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    log_thread_errors(log)
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
@@ -123,39 +126,35 @@ _received: list[int] = []  # the signal that interrupted the command, for its ex
 
 
 def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
-    """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at
-    once, with ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C).
-
-    For a command's first seconds, while torch and Hydra are imported: a KeyboardInterrupt there is a
-    traceback from deep inside the import machinery, and an exception raised there can even be lost
-    (C code that imports a module and clears the error when it fails), leaving the command running.
-    So the handler exits instead of raising: nothing has started that would need cleaning up. A
-    signal that was ignored (SIGINT of a job started with ``&`` from a script, SIGHUP under nohup) stays
-    ignored.
-    """
+    """Until the command's own handling is in place: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 ends the process at once, with
+    ``message`` as its one line and the shell's status for that signal (130 for Ctrl-C). Exits rather than raises: while
+    torch and Hydra are imported, a KeyboardInterrupt is a traceback from deep inside the import machinery, or even lost
+    (C code that clears the error), leaving the command running."""
 
     def leave(signum, frame) -> None:
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
         os._exit(128 + signum)
 
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, leave)
+    _on_stop_signals(leave)
 
 
 def raise_on_interrupt() -> None:
     """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 raises KeyboardInterrupt, so that ``finally`` clauses
     run (they stop the workers and tidy the run directory); another one while they run ends the process at
     once (its workers die with it: mnist_dist.parallel.spawn)."""
+
+    def raise_interrupt(signum, frame) -> None:
+        _received.append(signum)
+        exit_on_interrupt("interrupted again: stopped at once")
+        raise KeyboardInterrupt
+
+    _on_stop_signals(raise_interrupt)
+
+
+def _on_stop_signals(handler) -> None:
     for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, _raise_interrupt)
-
-
-def _raise_interrupt(signum, frame) -> None:
-    _received.append(signum)
-    exit_on_interrupt("interrupted again: stopped at once")
-    raise KeyboardInterrupt
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (SIGINT under ``&``, SIGHUP under nohup)
+            signal.signal(signum, handler)
 
 
 def interrupted(message: str) -> NoReturn:
@@ -172,9 +171,8 @@ _status: list[int] = []  # the command's exit status, once it has one: the proce
 @contextmanager
 def command() -> Iterator[None]:
     """Around a command's body: once it has its exit status, the process ends as soon as the other atexit
-    handlers ran, without the interpreter's teardown. That teardown frees torch's objects for seconds on a
-    busy machine, and Python puts Ctrl-C back to its default first: a Ctrl-C then (a second one after the
-    ``interrupted`` line, or one as a finished run exits) ended the command silently, killed by the signal."""
+    handlers ran, without the interpreter's teardown, which takes seconds (torch's objects) after Python put
+    Ctrl-C back to its default: a Ctrl-C then ended the command silently, killed by the signal."""
     try:
         yield
     except SystemExit as stop:  # a str is printed by Python before the atexit handlers run: status 1

@@ -38,11 +38,7 @@ _PROGRESS_S = 5  # seconds between the progress lines of a download
 def fetch_file(source: str, gz_name: str, md5: str | None, dest: Path, limit: int) -> Iterator[Path]:
     """Yield a temp path beside ``dest`` holding ``gz_name`` from ``source``, decompressed, refused past
     ``limit`` bytes. It replaces ``dest``, which is then recorded as fetched, only if the body (the
-    caller's validation) succeeds.
-
-    md5 is only given for official mirrors: other copies (Debian's) are recompressed, so for them
-    the validated content is what counts.
-    """
+    caller's validation) succeeds. ``md5``: official mirrors only (other copies are recompressed)."""
     with _local_path(source, gz_name, md5, dest.parent, limit) as src, files.atomic(dest) as out:
         opener = gzip.open if src.suffix == ".gz" else open
         with opener(src, "rb") as fin:
@@ -50,7 +46,8 @@ def fetch_file(source: str, gz_name: str, md5: str | None, dest: Path, limit: in
                 out.file.write(chunk)
         out.file.flush()
         yield out.path
-    _record_fetched(dest)
+    root = dest.parent.parent
+    files.write_text(root / _FETCHED, json.dumps({**_fetched_record(root), dest.name: dest.stat().st_ino}))
 
 
 def fetched_here(dest: Path) -> bool:
@@ -80,11 +77,6 @@ def _fetched_record(root: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return fetched if isinstance(fetched, dict) else {}
-
-
-def _record_fetched(dest: Path) -> None:
-    fetched = {**_fetched_record(dest.parent.parent), dest.name: dest.stat().st_ino}
-    files.write_text(dest.parent.parent / _FETCHED, json.dumps(fetched))
 
 
 @contextmanager

@@ -1,12 +1,5 @@
-"""How the app writes and opens files: the one atomic-write primitive, and opening that follows no link
-and waits on no FIFO.
-
-Every file the app writes whole (checkpoints, model.pt, results.json, config.yaml, the data files
-``prepare`` fetches and its record, the tools' reports) goes through ``atomic``: a temp file created
-beside the target with O_EXCL|O_NOFOLLOW (a link or anything else planted under the temp name is
-refused, never followed), written, fsynced, renamed over the target (a link planted under the final
-name is replaced, its target untouched), and the directory fsynced, so that after a crash the name
-holds the old file or the complete new one, whose bytes reached the disk.
+"""How the app writes and opens files: the one atomic write that every file written whole goes through
+(docs/reliability.md), and opening that follows no link and waits on no FIFO.
 """
 
 from __future__ import annotations
@@ -19,17 +12,15 @@ import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 _NOT_REGULAR = "not a regular file (a FIFO? a device?), which mnist_dist neither reads nor writes; remove it"
 _NOT_OURS = "not a directory of this run (a symbolic link?), which mnist_dist does not write into; remove it"
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-@dataclass
-class Pending:
+class Pending(NamedTuple):
     """A file being written: ``file`` to write to, ``path`` (the temp name) to read it back by."""
 
     file: BinaryIO
@@ -45,12 +36,12 @@ def create_new(directory: Path, name: str, suffix: str = ".tmp") -> Pending:
 
 @contextmanager
 def atomic(target: Path) -> Iterator[Pending]:
-    """Yields a new temp file beside ``target``; once the body returns, it holds the bytes on disk and
-    replaces ``target`` in one step. If the body raises, the temp file goes and ``target`` is as it was.
-
-    An OSError names ``target`` (a write to a descriptor names no file). A write killed by a signal
-    leaves its temp file: the next write of the same target removes it (run directories and the data
-    root's raw/ are written by one process at a time: the run's lock, prepare's lock)."""
+    """Yields a new temp file beside ``target`` (O_EXCL|O_NOFOLLOW: nothing planted there is followed); once the body
+    returns, it holds the bytes on disk and replaces ``target`` in one step (a link there is replaced, its target
+    untouched). If the body raises, the temp file goes and ``target`` is as it was. An OSError names ``target`` (a write
+    to a descriptor names no file). A write killed by a signal leaves its temp file: the next write of the same target
+    removes it (run directories and the data root's raw/ are written by one process at a time: the run's lock, prepare's
+    lock)."""
     target = Path(target)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
         stale.unlink(missing_ok=True)  # a link itself, never its target

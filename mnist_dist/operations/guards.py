@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from mnist_dist.data import split_size
+from mnist_dist.operations import machine
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
 
@@ -48,7 +49,4 @@ def check_cpu_capacity(topology: Topology) -> None:
 
 def available_memory() -> int:
     """Bytes the kernel could give new processes without swapping (MemAvailable)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return machine.meminfo_kib("MemAvailable") * 1024 or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

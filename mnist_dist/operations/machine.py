@@ -25,24 +25,23 @@ def native_bf16(cpu_flags: list[str]) -> bool:
     return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags
 
 
+def _field(text: str, key: str) -> str:
+    """The value of the first ``key: value`` line of a /proc file's text, else ""."""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return ""
+
+
 def _cpuinfo(text: str) -> tuple[str, set[str]]:
     """(model name, flags) from the text of /proc/cpuinfo (first processor)."""
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return model, flags
+    return _field(text, "model name"), set(_field(text, "flags").split())
 
 
-def _memory_gib(meminfo: str) -> float:
-    for line in meminfo.splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) / 2**20  # kB
-    return 0.0
+def meminfo_kib(key: str) -> int:
+    """A figure of /proc/meminfo (MemTotal, MemAvailable) in KiB; 0 where there is none."""
+    return int((_field(_read("/proc/meminfo"), key) or "0").split()[0])
 
 
 def _read(path: str) -> str:
@@ -63,16 +62,12 @@ def describe() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count() or 1,
         "torch_threads": torch.get_num_threads(),
-        "memory_gib": round(_memory_gib(_read("/proc/meminfo")), 1),
+        "memory_gib": round(meminfo_kib("MemTotal") / 2**20, 1),
         "torch": torch.__version__,
         "gpus": torch.cuda.device_count(),
     }
     if info["gpus"]:
-        info.update(
-            gpu=_gpu_name(),
-            cuda=torch.version.cuda,
-            driver=_nvidia_driver(),
-        )
+        info.update(gpu=_gpu_name(), cuda=torch.version.cuda, driver=_nvidia_driver())
     return info
 
 
@@ -82,17 +77,14 @@ def _gpu_name() -> str:
     if torch.cuda.is_initialized():
         return torch.cuda.get_device_name(0)
     for path in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):  # by PCI address, as CUDA's order
-        for line in _read(path).splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model":
-                return value.strip()
+        if model := _field(_read(path), "Model"):
+            return model
     return "unknown"
 
 
 def _nvidia_driver() -> str:
     # The kernel module reports its version here; no nvidia-smi subprocess needed.
-    text = _read("/proc/driver/nvidia/version")
-    for word in text.split():
+    for word in _read("/proc/driver/nvidia/version").split():
         if word[:1].isdigit() and "." in word:
             return word
     return "unknown"
@@ -103,8 +95,7 @@ def summary_line(info: dict) -> str:
     flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
     line = (
         f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
-        f"{info['torch_threads']} torch threads, "
-        f"{info['memory_gib']:g} GiB, torch {info['torch']}"
+        f"{info['torch_threads']} torch threads, {info['memory_gib']:g} GiB, torch {info['torch']}"
     )
     if info.get("gpus"):
         line += f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']}, driver {info['driver']})"

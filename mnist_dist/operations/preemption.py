@@ -1,17 +1,9 @@
-"""Stopping on a scheduler's warning: write a checkpoint and exit, so that the requeued job goes on.
+"""Stopping on a scheduler's warning (SIGUSR1 before the time limit, SIGTERM on preemption) under srun:
+write a checkpoint and exit ``REQUEUE``, so that the requeued job goes on (docs/operations.md).
 
-SLURM sends SIGUSR1 before the time limit when asked (``#SBATCH --signal=USR1@90``, as submitit does)
-and SIGTERM when it cancels or preempts a job. Under srun (``install``):
-
-- Before the first step (rendezvous, data preparation, building) there is nothing new to save: the
-  signal stops the job at once, exit ``REQUEUE``. A Python handler cannot run while the main thread
-  waits inside torch's C++ (a rendezvous waits up to ``dist.timeout_s``), so a thread that sees the
-  signal too ends the process itself if the handler has not run within ``_GRACE_S``.
-- From the first step on the handler only notes the signal, and after every step each rank votes on
-  whether any rank got one (a collective, so every rank stops after the same step, even if the signal
-  reached only some). A step's vote is read after the next step, so no step waits for it: the job stops
-  one or two steps after the signal, with a checkpoint. A signal during evaluation is acted on at the
-  step that follows it.
+Before the first step there is nothing new to save: the job stops at once. From then on each rank votes
+after every step on whether any rank got a signal (so every rank stops after the same step, even if the
+signal reached only some); a vote is read one step later, so no step waits for it.
 """
 
 from __future__ import annotations
@@ -29,6 +21,10 @@ from mnist_dist.parallel import heartbeat
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _GRACE_S = 5.0  # for the handler to stop the job before the watching thread does
+_BEFORE_TRAINING = (  # the one line of a job stopped by a signal before the first step
+    "stopped by {} before the first step: nothing new to save; start the job again (resume=auto goes on from the "
+    "last checkpoint)"
+)
 _received: list[str] = []
 _installed: list[bool] = []
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
@@ -49,7 +45,7 @@ def install() -> None:
         _received.append(name)
         if not _training:
             handled.append(True)
-            raise Stopped(_before_training(name))
+            raise Stopped(_BEFORE_TRAINING.format(name))
 
     for signum in _SIGNALS:
         signal.signal(signum, on_signal)
@@ -57,15 +53,9 @@ def install() -> None:
     _installed.append(True)
 
 
-def _before_training(name: str) -> str:
-    return (
-        f"stopped by {name} before the first step: nothing new to save; start the job again (resume=auto "
-        "goes on from the last checkpoint)"
-    )
-
-
 def _watch_start_up(handled: list[bool]) -> None:
-    """Ends the process with REQUEUE if a signal before the first step finds the main thread inside C++."""
+    """Ends the process with REQUEUE if a signal before the first step finds the main thread inside torch's
+    C++ (a rendezvous waits up to ``dist.timeout_s``), where no Python handler runs, for ``_GRACE_S``."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # the interpreter writes each signal's number
@@ -76,7 +66,7 @@ def _watch_start_up(handled: list[bool]) -> None:
                 continue
             time.sleep(_GRACE_S)
             if not handled:
-                os.write(2, f"{_before_training(signal.Signals(received[-1]).name)}\n".encode())
+                os.write(2, f"{_BEFORE_TRAINING.format(signal.Signals(received[-1]).name)}\n".encode())
                 os._exit(REQUEUE)
 
     threading.Thread(target=watch, name="preemption_watch", daemon=True).start()
@@ -92,8 +82,7 @@ def requested(step: int) -> str | None:
     if not _group:
         # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
         _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
-    if not _training:
-        _training.append(True)
+    _training[:] = [True]
     vote = torch.tensor([float(bool(_received))])
     work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
     previous, _votes[:] = _votes[:], [(work, vote)]

@@ -1,8 +1,5 @@
-"""``profile=true``: torch.profiler over a few steps after warm-up, one Chrome trace per rank.
-
-The trace (``trace_rank<r>.json`` in the run directory) opens in Perfetto (ui.perfetto.dev) or
-chrome://tracing; TensorBoard's profiler plugin, which used to show these, is deprecated.
-"""
+"""``profile=true``: torch.profiler over a few steps after warm-up, one Chrome trace per rank
+(``trace_rank<r>.json`` in the run directory), which opens in Perfetto (ui.perfetto.dev) or chrome://tracing."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Losses:
         return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
 
     def advice(self) -> str:
-        """What a divergence error says to do; the checkpoint it names was checked before it was written."""
+        """What a divergence error says to do; the checkpoint it names was checked when written."""
         if self.good_checkpoint is None:
             return "lower optim.lr or check the data (no checkpoint was written before it)"
         path, step = self.good_checkpoint
@@ -57,11 +57,9 @@ def restore(run: Run, resumed: dict) -> None:
 
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
-    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next
-    (a collective: every rank's random state is gathered). Never from unchecked weights: the divergence
-    check runs every ``log_every`` steps and checkpoints at their own steps, so the losses since the last
-    check are checked here, and rank 0 checks the weights it writes (a step's update can diverge while its
-    loss was finite)."""
+    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
+    collective). Never from unchecked weights: the losses since the last check are checked here, and rank 0
+    checks the weights it writes (a step's update can diverge while its loss was finite)."""
     learner = run.learner
     run.losses.check(run.step, run.topology.rank)
     # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
@@ -131,18 +129,15 @@ def gather_objects(mine: Any) -> list:
 def rng_states_of_all_ranks() -> list[dict]:
     """Every rank's generators (Python, torch CPU, every CUDA device's), by rank: dropout continues as if
     never stopped, also on the replicas of dp, which draw their masks on every GPU."""
-    mine = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-    }
-    return gather_objects(mine)
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
 
 
 def restore_rng(states: list[dict], rank: int) -> None:
     if rank >= len(states):  # resumed on more ranks: new ranks keep their seed
         return
-    random.setstate(states[rank]["python"])
-    torch.set_rng_state(states[rank]["torch"])
-    if states[rank]["cuda"] is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+    mine = states[rank]
+    random.setstate(mine["python"])
+    torch.set_rng_state(mine["torch"])
+    if mine["cuda"] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(mine["cuda"][: torch.cuda.device_count()])

@@ -10,9 +10,10 @@ given explicitly (``hydra.run.dir=...``) is protected by the lock instead.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,14 +30,11 @@ def _claim(parent: Path, name: str) -> str:
     """``name``, or ``name_<n>`` for the first n >= 2 free in ``parent``, created there (an atomic mkdir: of
     two launches, exactly one creates it)."""
     parent.mkdir(parents=True, exist_ok=True)
-    candidate, n = name, 1
-    while True:
-        try:
+    for n in itertools.count(1):
+        candidate = f"{name}_{n}" if n > 1 else name
+        with suppress(FileExistsError):
             os.mkdir(parent / candidate)
             break
-        except FileExistsError:
-            n += 1
-            candidate = f"{name}_{n}"
     _made.add((parent / candidate).resolve())
     return candidate
 
@@ -78,12 +76,9 @@ OmegaConf.register_new_resolver("unique_subdir", unique_subdir, replace=True)
 
 @contextmanager
 def owned(run_dir: Path) -> Iterator[None]:
-    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already.
-
-    The lock is an flock: the kernel releases it when its holder dies, however it dies. Its file goes when the
-    body ends, removed while still held, so a finished run's directory holds only what the run wrote; a launch
-    that opened the file just before that finds the file it locked gone, and takes a new one.
-    """
+    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. An flock:
+    the kernel releases it when its holder dies, however it dies. Its file goes when the body ends, removed
+    while still held (a launch that opened it just before finds the file it locked gone, and takes a new one)."""
     path = run_dir / LOCK
     while True:
         try:
@@ -100,8 +95,9 @@ def owned(run_dir: Path) -> Iterator[None]:
             raise ConfigError(
                 f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
             ) from None
-        if _is_at(fd, path):
-            break
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)  # removed by the run that held it as this launch opened it
     try:
         yield
@@ -110,17 +106,12 @@ def owned(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def _is_at(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
 def refuse_another_run(run_dir: Path) -> None:
     """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
     checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
-    held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if _a_file(run_dir / name)]
+    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
+    paths = [run_dir / name for name in ("results.json", "model.pt", "checkpoint.pt")]
+    held = [path.name for path in paths if path.is_file() and not path.is_symlink()]
     if "checkpoint.pt" in held and "results.json" not in held:
         raise ConfigError(
             f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "
@@ -133,18 +124,10 @@ def refuse_another_run(run_dir: Path) -> None:
         )
 
 
-def _a_file(path: Path) -> bool:
-    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
-    return path.is_file() and not path.is_symlink()
-
-
 def on_this_node(run_dir: Path) -> Path:
-    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls).
-
-    A directory under rank 0's working directory lands at the same place under this node's working
-    directory (the default ``outputs/...`` included); any other at the same absolute path. Each node
-    thus needs only its own disk.
-    """
+    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls), so
+    that each node needs only its own disk. One under rank 0's working directory (the default ``outputs/...``)
+    lands at the same place under this node's; any other at the same absolute path."""
     shared = [str(run_dir), os.getcwd()]
     dist.broadcast_object_list(shared, src=0)
     path, rank0_cwd = Path(shared[0]), Path(shared[1])

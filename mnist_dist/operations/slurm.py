@@ -13,10 +13,9 @@ from mnist_dist.operations.errors import ConfigError
 
 
 def gpu_of_its_own(tasks: int) -> bool:
-    """Whether this srun task, one of ``tasks`` on its node that each see one GPU, sees a GPU of its own, or a
-    ConfigError: ``--gpus-per-task=1`` sets SLURM_GPUS_PER_TASK, and ``--gpu-bind=single:1`` gives each task one
-    of the step's GPUs (SLURM_STEP_GPUS lists them). Without either, every task sees the same GPU (``--gres=gpu:1``)
-    and NCCL, which takes one rank per GPU, would fail later with "Duplicate GPU detected"."""
+    """Whether this srun task, one of ``tasks`` on its node that each see one GPU, has one of its own
+    (``--gpus-per-task=1``, or ``--gpu-bind=single:1`` over the SLURM_STEP_GPUS), or a ConfigError: NCCL,
+    one rank per GPU, would fail later with "Duplicate GPU detected" (``--gres=gpu:1``)."""
     env = os.environ
     step_gpus = [gpu for gpu in env.get("SLURM_STEP_GPUS", env.get("SLURM_JOB_GPUS", "")).split(",") if gpu]
     if env.get("SLURM_GPUS_PER_TASK") or len(step_gpus) >= tasks:

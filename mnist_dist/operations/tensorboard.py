@@ -4,8 +4,7 @@ One TensorBoard run per training run, ``<run>/tb``: every log window the ranks g
 rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
 node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
 mode overlay; every tag, and what it means: docs/tensorboard.md#every-tag (tests/test_view.py checks that
-it lists every tag a run writes). ``LAYOUT`` is the CUSTOM SCALARS tab: the comparison charts first,
-per-rank details in a folded section.
+it lists every tag a run writes).
 """
 
 from __future__ import annotations
@@ -86,35 +85,25 @@ def window_tags(gathered: list[list[float]], names: list[str]) -> dict[str, floa
 def custom_scalars_summary() -> Summary:
     """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
     fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
-    layout = layout_pb2.Layout(
-        category=[
-            layout_pb2.Category(
-                title=title,
-                closed=not open_,
-                chart=[
-                    layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
-                    for chart, regex in charts
-                ],
-            )
-            for title, open_, charts in LAYOUT
-        ]
-    )
+
+    def chart(title: str, regex: str) -> layout_pb2.Chart:
+        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+
+    sections = [
+        layout_pb2.Category(title=t, closed=not open_, chart=[chart(*c) for c in cs]) for t, open_, cs in LAYOUT
+    ]
+    layout = layout_pb2.Layout(category=sections)
     tensor = TensorProto(dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
     metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
     return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
 
 
 class Scalars:
-    """The run's TensorBoard directory, ``tb_dir(run_dir)``, with the chart layout; written on rank 0,
-    a no-op on the other ranks (they gather their numbers to rank 0).
-
-    Opened at the first write, so a run that fails before it logs anything leaves no TensorBoard run.
-    ``resumed_at``: (step, training milliseconds) of the checkpoint a resumed run goes on from. Its first
-    write keeps every point the run logged up to there, on every tag (the time axis by its own unit), and
-    drops what the interrupted run logged after it. TensorBoard's own purge_step cannot do this: it drops
-    every step above it on every tag, the time axis's milliseconds included, and a resume that fails
-    after it was written would hide the history for good.
-    """
+    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it logs
+    leaves none); written on rank 0, a no-op on the others. ``resumed_at``: (step, training milliseconds) of the
+    checkpoint a resumed run goes on from; the first write keeps what was logged up to there and drops the rest.
+    TensorBoard's purge_step cannot: it cuts the time axis's milliseconds by step, and a resume that fails after it
+    would hide the history for good."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
         self.directory = tb_dir(run_dir)
@@ -129,14 +118,15 @@ class Scalars:
         files.own_directory(self.directory)  # a planted tb link is refused: its target is never written nor purged
         # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
         old = sorted(self.directory.glob("events.out.tfevents.*"))
-        kept = (
-            _events_up_to([p for p in old if p.is_file() and not p.is_symlink()], *self.resumed_at)
-            if self.resumed_at
-            else []
-        )
+        real = [p for p in old if p.is_file() and not p.is_symlink()]
+        kept = _events_up_to(real, *self.resumed_at) if self.resumed_at else []
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
-            _refuse_a_link(Path(self._writer.file_writer.event_writer._file_name))  # torch exposes no other way
+            # Once opened: a link planted at the event file's name was written through; stop there.
+            event_file = Path(self._writer.file_writer.event_writer._file_name)  # torch exposes no other way
+            if event_file.is_symlink():
+                message = "a symbolic link was planted at the event file's name; remove it"
+                raise OSError(errno.ELOOP, message, str(event_file))
             if not kept:
                 self._writer.file_writer.add_summary(custom_scalars_summary())
             for event in kept:  # the layout among them
@@ -164,11 +154,8 @@ class Scalars:
                 self.writer.add_scalar(tag, value, step)
 
     def hparams(self, params: dict, metric_tags: list[str]) -> None:
-        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag.
-
-        Written into this directory (SummaryWriter.add_hparams would open a new one), so the metrics
-        are the scalars already logged here.
-        """
+        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag logged
+        here (SummaryWriter.add_hparams would open a new directory)."""
         if self.writer is None:
             return
         with self._naming_the_directory():
@@ -180,12 +167,6 @@ class Scalars:
             writer, self._writer = self._writer, None
             with self._naming_the_directory():
                 writer.close()
-
-
-def _refuse_a_link(path: Path) -> None:
-    """After TensorBoard opened its event file: if a link sat at that name, it wrote through it; stop there."""
-    if path.is_symlink():
-        raise OSError(errno.ELOOP, "a symbolic link was planted at the event file's name; remove it", str(path))
 
 
 TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
