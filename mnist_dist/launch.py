@@ -54,7 +54,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if mode.processes is Processes.ONE:
         return _worker(cfg, run_dir, data_dir, topology)
-    # Every worker logs its traceback to rank_<r>.log in the run directory (train.setup_logging).
+    # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
     log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
