@@ -125,6 +125,7 @@ def test_a_tiny_run_reports_what_it_measured(tmp_path):
             "--out",
             str(tmp_path),
         ],
+        env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},  # a user's: conftest sets it under xdist
         capture_output=True,
         text=True,
         timeout=300,
