@@ -3,23 +3,39 @@
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
-from helpers import scalars
+from helpers import compose_config, scalars
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint
 from mnist_dist.tools.compare import compare
 
-SHORT = ("epochs=3", "batch_size=64", "log_every=1")
+SHORT = ("epochs=2", "batch_size=64", "log_every=1")
 
 
 def run(make_config, run_dir, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(make_config(*SHORT, *overrides), run_dir)
     return torch.load(run_dir / "model.pt"), scalars(run_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_root, tmp_path_factory):
+    """``uninterrupted(mode)``: the weights and scalars of one run of SHORT on 2 devices, made once a module
+    for the tests that compare other runs with it."""
+    runs = {}
+
+    def get(mode: str):
+        if mode not in runs:
+            run_dir = tmp_path_factory.mktemp(mode)
+            runs[mode] = run(partial(compose_config, tiny_root), run_dir, f"mode={mode}", "gpus=2")
+        return runs[mode]
+
+    return get
 
 
 def assert_same_weights(a, b):
@@ -50,31 +66,31 @@ def test_checkpoint_carries_the_fp16_loss_scale(make_config, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_same_config_twice_gives_identical_curves(make_config, tmp_path, mode):
+def test_same_config_twice_gives_identical_curves(make_config, uninterrupted, tmp_path, mode):
     # Dropout stays on: each rank's masks come from (seed, rank), so they repeat too.
-    first_weights, first = run(make_config, tmp_path / "a", f"mode={mode}", "gpus=2")
-    second_weights, second = run(make_config, tmp_path / "b", f"mode={mode}", "gpus=2")
-    assert first["rank_0/train/loss"] == second["rank_0/train/loss"] and len(first["rank_0/train/loss"]) == 30
+    first_weights, first = uninterrupted(mode)
+    second_weights, second = run(make_config, tmp_path, f"mode={mode}", "gpus=2")
+    assert first["rank_0/train/loss"] == second["rank_0/train/loss"] and len(first["rank_0/train/loss"]) == 20
     assert first["test/accuracy"] == second["test/accuracy"]
     assert_same_weights(first_weights, second_weights)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_resume_equals_uninterrupted(make_config, tmp_path, mode):
-    whole_weights, whole = run(make_config, tmp_path / "whole", f"mode={mode}", "gpus=2")
+def test_resume_equals_uninterrupted(make_config, uninterrupted, tmp_path, mode):
+    whole_weights, whole = uninterrupted(mode)
     part = tmp_path / "part"
-    run(make_config, part, f"mode={mode}", "gpus=2", "epochs=2")
-    after_two = (part / "checkpoint.pt").read_bytes()
-    # Finish the run, then pretend it crashed during epoch 3 after logging: the checkpoint is the
-    # epoch-2 one again while TensorBoard already holds epoch 3. Resuming must not duplicate steps.
+    run(make_config, part, f"mode={mode}", "gpus=2", "epochs=1")
+    after_one = (part / "checkpoint.pt").read_bytes()
+    # Finish the run, then pretend it crashed during epoch 2 after logging: the checkpoint is the
+    # epoch-1 one again while TensorBoard already holds epoch 2. Resuming must not duplicate steps.
     launch(make_config(*SHORT, f"mode={mode}", "gpus=2", f"resume={part}"), tmp_path / "unused")
-    (part / "checkpoint.pt").write_bytes(after_two)
+    (part / "checkpoint.pt").write_bytes(after_one)
     launch(make_config(*SHORT, f"mode={mode}", "gpus=2", f"resume={part}/checkpoint.pt"), tmp_path / "unused")
     assert not (tmp_path / "unused").exists()  # resumed runs go on in their own directory
     assert_same_weights(torch.load(part / "model.pt"), whole_weights)
     resumed = scalars(part)
-    assert resumed["rank_0/train/loss"] == whole["rank_0/train/loss"]  # 30 steps, none twice, same values
+    assert resumed["rank_0/train/loss"] == whole["rank_0/train/loss"]  # 20 steps, none twice, same values
     assert resumed["test/accuracy"] == whole["test/accuracy"]
 
 

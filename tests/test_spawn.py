@@ -103,10 +103,13 @@ def _foreign_client(port: int, seen: dict, done: threading.Event) -> None:
     deadline = time.monotonic() + 120
     while not done.is_set() and time.monotonic() < deadline:
         try:
-            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+            # TCPStore backs off for seconds between its own tries, longer than a short job's store lives:
+            # poll with a plain socket, then give a loaded machine time to validate the connection
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
             break
-        except Exception:  # not listening yet
-            time.sleep(0.05)
+        except Exception:  # not listening yet, or no longer
+            time.sleep(0.01)
     else:
         return
     client.set(ADDRESS.format(rank=1), "127.0.0.1:1")
