@@ -151,6 +151,22 @@ def test_an_interrupted_compare_leaves_no_half_run_and_says_the_time_first(tiny_
     )
 
 
+def test_a_ctrl_c_as_a_run_starts_leaves_no_directory_for_it(tiny_root, tmp_path, monkeypatch):
+    # The run's line is printed as it starts, and a Ctrl-C right after it (the reliability test's cue; a loaded
+    # machine widened the gap) landed before the run was in its try: its empty directory stayed, and the
+    # compare called it a complete run.
+    def ctrl_c_at_the_run_line(*args, **kwargs):
+        if str(args[0]).startswith("== round"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "launch", never)
+    monkeypatch.setattr(compare, "print", ctrl_c_at_the_run_line, raising=False)
+    configs = compare.compose_configs(["single"], [f"data.root={tiny_root}"])
+    with pytest.raises(KeyboardInterrupt):
+        compare.run_rounds(configs, 1, tmp_path / "out", lambda: 0.0)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_the_time_is_estimated_before_the_first_run_and_says_how(tiny_root, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("mnist_dist.tools.compare_estimate.probe_step_s", lambda cfg: 0.5)  # s a step

@@ -275,10 +275,10 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
     for round_ in range(1, repeats + 1):
         for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
-            run_dir.mkdir(parents=True)
-            peak_load = max(peak_load, load())
-            print(f"== round {round_}/{repeats}: {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
-            try:
+            try:  # from its mkdir on: a Ctrl-C as the run's line is printed leaves no empty run behind
+                run_dir.mkdir(parents=True)
+                peak_load = max(peak_load, load())
+                print(f"== round {round_}/{repeats}: {mode} ({world_size(cfg)} process(es)) -> {run_dir}", flush=True)
                 launch(cfg, run_dir, said)
             except BaseException:
                 shutil.rmtree(run_dir, ignore_errors=True)
