@@ -49,8 +49,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
-    guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
-    compatibility.check_position(saved, cfg.batch_size, data_dir)
+    guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
     log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if mode.processes is Processes.ONE:
         return _worker(cfg, run_dir, data_dir, topology)
@@ -90,8 +89,7 @@ def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) ->
         prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
     dist.barrier()  # the other local ranks open the files only once they are complete
     data_dir = raw_dir(cfg.data.name, data_root(cfg))
-    guards.check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
-    compatibility.check_position(saved, cfg.batch_size, data_dir)
+    guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,7 +16,6 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mnist_dist.config import Config
-from mnist_dist.data import split_size, steps_per_epoch
 from mnist_dist.model import make_scheduler
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations.errors import ConfigError
@@ -212,18 +210,3 @@ def _check_restorable(state: dict, cfg: Config) -> bool:
             "optimizer it was trained with"
         ) from None
     return per_step
-
-
-def check_position(state: dict | None, batch_size: int, raw_dir: Path) -> None:
-    """A checkpoint's position within its epoch, once the data says how many steps an epoch has: one past the
-    end would have the resumed run skip the rest of the epoch (``None``: a fresh run)."""
-    if state is None:
-        return
-    images = split_size(raw_dir, train=True)
-    steps = steps_per_epoch(images, batch_size)
-    if state["epoch_step"] > steps:  # at the end: preempted after the epoch's last step
-        raise ConfigError(
-            f"resume: the checkpoint is {state['epoch_step']} steps into epoch {state['epoch'] + 1}, which has {steps} "
-            f"steps here ({images} images at batch_size={batch_size}): damaged, crafted, or saved at a smaller "
-            "batch_size; resume from another checkpoint.pt"
-        )
