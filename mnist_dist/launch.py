@@ -47,7 +47,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     mode = MODES[cfg.mode.name]
     if topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
-        log.info("no CUDA device: mode=%s runs on the CPU %s", mode.name, where)
+        log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
     guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
     log.info("config: %s (all of it in config.yaml)", config_line(overrides))

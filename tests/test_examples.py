@@ -288,6 +288,8 @@ def test_slurm_sbatch_says_when_the_ranks_stop_as_preemption_does():
     # mnist_dist/operations/preemption.py: a vote after every step, read one step later.
     comment = " ".join(line.lstrip("# ") for line in (ROOT / "examples" / "slurm.sbatch").read_text().splitlines())
     assert "log_every" not in comment and "vote after every step" in comment
+    # a failed task ends the others at once; without it they wait in a collective until dist.timeout_s
+    assert "srun --kill-on-bad-exit=1 python -m mnist_dist" in comment
 
 
 @pytest.mark.parametrize("doc", ["docs/CONVERTING.md", "docs/layout.md"])

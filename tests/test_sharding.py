@@ -1,9 +1,11 @@
-"""Data order: identical global batches in every mode, disjoint shares, exact evaluation split."""
+"""Data order: identical global batches in every mode, disjoint shares, exact evaluation split; the saved model."""
 
 import pytest
 import torch
 
 from mnist_dist.data import epoch_order, eval_shard, rank_batches
+from mnist_dist.model import ConvNet
+from mnist_dist.parallel.state import model_state
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -29,3 +31,12 @@ def test_order_is_reshuffled_each_epoch_and_reproducible():
 def test_eval_shards_cover_every_sample_once(n, world_size):
     covered = [i for rank in range(world_size) for i in range(n)[eval_shard(n, rank, world_size)]]
     assert covered == list(range(n))
+
+
+def test_the_saved_model_is_a_snapshot_on_the_cpu():
+    # model.pt must load where no GPU is (before: the tensors of the device they trained on, cuda:1 after split)
+    model = ConvNet()
+    state = model_state(model)
+    assert all(tensor.device.type == "cpu" for tensor in state.values())
+    live = {tensor.untyped_storage().data_ptr() for tensor in model.state_dict().values()}
+    assert not live & {tensor.untyped_storage().data_ptr() for tensor in state.values()}  # copied off the device

@@ -230,6 +230,25 @@ def test_a_rank_that_stops_responding_is_named_with_where_it_was(tmp_path):
     assert_all_gone(tmp_path, 2)
 
 
+def _aborted_by_a_watchdog(rank: int, world_size: int, pid_dir: str) -> None:
+    Path(pid_dir, str(os.getpid())).touch()
+    heartbeat("training", 4)
+    if rank == 0:
+        time.sleep(1)
+        os.abort()  # as NCCL's watchdog ends a rank whose collective waited dist.timeout_s
+    time.sleep(120)  # rank 1: stuck, still running
+
+
+def test_a_rank_aborted_while_another_still_runs_names_both(tmp_path):
+    # before: "rank 0 failed: killed by SIGABRT", which under NCCL names the victim of the stuck rank
+    with pytest.raises(WorkerFailed) as error:
+        spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
+    message = str(error.value)
+    assert message.startswith("rank 0 failed: killed by SIGABRT") and "NCCL's watchdog" in message, message
+    assert "rank 1 is still running (last seen: training after step 4)" in message, message
+    assert_all_gone(tmp_path, 2)
+
+
 def _sleeps(rank: int, world_size: int, pid_dir: str) -> None:
     Path(pid_dir, str(os.getpid())).touch()
     time.sleep(120)

@@ -56,7 +56,10 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
             )
         if silent:
             rank = silent[0]
-            raise WorkerFailed(f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{_log_of(log_path, rank)}")
+            raise WorkerFailed(
+                f"rank {rank} failed: {_exit_reason(workers[rank].exitcode)}{_aborted(workers, beats, rank)}"
+                f"{_log_of(log_path, rank)}"
+            )
         _, rank, reason = reported[0]
         timed_out = _TIMED_OUT.search(reason)
         stuck = _unresponsive(workers, beats) if timed_out or _NEVER_JOINED in reason else None
@@ -68,6 +71,18 @@ def supervise(workers: list, reports: tuple, beats: list, log_path: str | None, 
                 f"timed out waiting for it: {reason}{_log_of(log_path, stuck)}"
             )
         raise WorkerFailed(f"rank {rank} failed: {reason}{_log_of(log_path, rank)}")
+
+
+def _aborted(workers: list, beats: list, rank: int) -> str:
+    """For a rank killed by SIGABRT while another still runs: NCCL's watchdog aborts a rank whose collective
+    waited ``dist.timeout_s``, so the rank still running is the likely cause, and is named."""
+    stuck = _unresponsive(workers, beats) if workers[rank].exitcode == -signal.SIGABRT else None
+    if stuck is None:
+        return ""
+    return (
+        f" (NCCL's watchdog aborts a rank whose collective waited dist.timeout_s for another: "
+        f"rank {stuck} is still running (last seen: {_last_seen(beats[stuck])}))"
+    )
 
 
 def _log_of(log_path: str | None, rank: int) -> str:

@@ -44,9 +44,10 @@ def _full_options():
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's state_dict (a collective in fsdp: every rank calls; rank 0's copy is complete)."""
+    """The plain model's state_dict, copied to the CPU, so that it loads where no GPU is (a collective in fsdp:
+    every rank calls; rank 0's copy is complete)."""
     if not wrappers.of(model).sharded:
-        return plain_state_dict(model)
+        return {key: value.detach().to("cpu", copy=True) for key, value in plain_state_dict(model).items()}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_full_options())
