@@ -6,7 +6,8 @@ Fills DIR/wheels with wheels for CPython 3.12 on x86_64 Linux (``--python-versio
 hydra-core, omegaconf and what they need (PyYAML, packaging), antlr4-python3-runtime 4.9.3 (an sdist only
 on the index, built here into its pure-Python wheel), and setuptools for the editable install's isolated
 build; and DIR/fashion-mnist with the four Fashion-MNIST files. docs/gpus.md ("Offline GPU machine") gives
-the command that installs from DIR with ``pip install --no-index`` and runs the GPU check. Stdlib only.
+the command that installs from DIR with ``pip install --no-index`` and runs the GPU check. Needs no package
+beyond the standard library (not even torch), so any Python 3.11+ with pip runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mnist_dist.operations import files
 
 FASHION_FILES = [f"{s}-{k}-idx{d}-ubyte.gz" for s in ("train", "t10k") for k, d in (("images", 3), ("labels", 1))]
 ANTLR = "antlr4-python3-runtime==4.9.3"  # omegaconf 2.3 pins 4.9.*; the index has no wheel of it
@@ -47,7 +50,8 @@ def main() -> int:
     target = ["--python-version", args.python_version, "--platform", args.platform, "--only-binary=:all:"]
     pip("download", "-q", "-d", str(wheels), "--find-links", str(wheels), *target, ANTLR, *WANTED)
     for name in FASHION_FILES:
-        shutil.copyfile(args.fashion / name, fashion / name)
+        with open(args.fashion / name, "rb") as source, files.atomic(fashion / name) as pending:
+            shutil.copyfileobj(source, pending.file)  # a copy cut short leaves no file that looks whole
     for path in sorted(wheels.iterdir()) + [fashion / name for name in FASHION_FILES]:
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
     return 0
