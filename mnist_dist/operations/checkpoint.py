@@ -56,7 +56,10 @@ def save(obj: Any, path: Path) -> None:
     as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    files.write(path, buffer.getbuffer())
+    # The view is released before an error leaves: held by the error's traceback in a reference loop, an exported
+    # BytesIO buffer crashes CPython's garbage collector (3.12.1, cpython#111049, a full disk's OSError did it)
+    with buffer.getbuffer() as view:
+        files.write(path, view)
 
 
 def save_kept(state: dict, path: Path, keep: int) -> None:
