@@ -229,9 +229,11 @@ def test_the_bitwise_row_fails_where_ddp_at_world_size_1_divides_wrongly(tmp_pat
 @pytest.mark.slow
 def test_quick_passes_on_the_cpu(tmp_path):
     # What a GPU machine runs, on the CPU: the rank probes (the in-process ones need CUDA) and the trainer.
-    command = [sys.executable, "-m", "mnist_dist.tools.gpu_check", "--device", "cpu", "--quick", "--out", "out.md"]
-    command += ["--train-images", "640", "--epochs", "1", "--fashion", str(tmp_path), "--targets", "0.3,0.5"]
-    result = subprocess.run(command + ["--tta-epochs", "2"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    command = [sys.executable, "-m", "mnist_dist.tools.gpu_check", "--device", "cpu", "--quick"]
+    command += ["--out", str(tmp_path / "out.md"), "--train-images", "640", "--epochs", "1", "--fashion", str(tmp_path)]
+    result = subprocess.run(
+        command + ["--targets", "0.3,0.5", "--tta-epochs", "2"], capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     names = [line.split(" | ")[0][2:] for line in result.stdout.splitlines() if line.startswith("| ")][1:]
     assert names[:6] == [

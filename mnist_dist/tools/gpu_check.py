@@ -174,7 +174,7 @@ def arguments() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="the rows that matter: no modes or variants on every GPU")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.md"), help="each row is appended here")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds each probe and training may take")
+    parser.add_argument("--timeout", type=float, help="seconds each probe and training may take (120; a CPU: 600)")
     parser.add_argument("--train-images", type=int, default=12_800, help="generated images: x epochs / batch = steps")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--fashion", type=Path, default=FASHION, help="the four Fashion-MNIST .gz files")
@@ -204,7 +204,7 @@ def main() -> int:
     if gpus == 0:
         print("gpu_check: no CUDA device is visible (--device cpu checks the script itself)")
         return 1
-    args.compiler = True
+    args.compiler, args.timeout = True, args.timeout or (120.0 if args.device == "cuda" else 600.0)
     notes, missing = preflight(args)
     if missing:
         print(f"gpu_check: missing {', '.join(missing)}; install with {INSTALL}")
