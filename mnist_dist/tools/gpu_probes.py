@@ -1,6 +1,7 @@
-"""The GPU check's probes that run in its own process, on one GPU: each returns a ``Row`` that says what it
-proves, its figure, and whether it passed. Each fails when the bug it names is put back; tests/test_gpu_probes.py
-puts each back on a CPU, with the CUDA part faked. The probes that need ranks are in gpu_wrappers.py.
+"""The GPU check's probes that need no ranks, on one GPU (the check runs each in a child process of its own):
+each returns a ``Row`` that says what it proves, its figure, and whether it passed. Each fails when the bug
+it names is put back; tests/test_gpu_probes.py puts each back on a CPU, with the CUDA part faked. The probes
+that need ranks are in gpu_wrappers.py.
 
 Modes are composed through Hydra (``composed``), as the trainer's are: ``mode=dp_functional`` is its YAML's
 ``dp_functional: true``, not the schema's default.
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import importlib
 import threading
-import time
-from dataclasses import dataclass
 from importlib import resources
 
 import torch
@@ -24,6 +23,7 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import wrap_model
 from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.dp import DataParallel, FunctionalDataParallel
+from mnist_dist.tools.gpu_check import Row
 from mnist_dist.topology import kernel_policy
 
 # The module nn.DataParallel calls parallel_apply through (torch.nn.parallel exports a function of that name).
@@ -31,34 +31,10 @@ torch_data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
 FP32_TOLERANCE = 1e-5  # relative (norm of the error / norm of the float64 gradient): fp32 ~1e-7, TF32 ~1e-3
 
 
-@dataclass
-class Row:
-    name: str
-    proves: str
-    figure: str
-    ok: bool
-    seconds: float = 0.0
-
-
 def composed(*overrides: str) -> Config:
     """The Config the trainer would run with these overrides."""
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
-def timed(probe, *args) -> list[Row]:
-    """``probe(*args)``'s row or rows, the first with the seconds it took; an exception is a failed row that
-    says it, not a stopped check."""
-    started = time.monotonic()
-    try:
-        found = probe(*args)
-        rows = found if isinstance(found, list) else [found]
-    except Exception as error:  # the table goes on: one broken probe must not hide the others
-        what = f"{getattr(probe, '__name__', 'probe')}{tuple(map(str, args))}"
-        said = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        rows = [Row(what, "", said, False)]
-    rows[0].seconds = time.monotonic() - started
-    return rows
 
 
 class ThreadProbe(nn.Module):

@@ -1,14 +1,21 @@
-"""The GPU check's rows that run the trainer (``python -m mnist_dist`` in a fresh process each): every mode,
-each mode's variants, DDP's overhead at one GPU, and time to accuracy. Each returns ``Row``s (gpu_probes.py).
+"""The GPU check's rows that run the trainer (``python -m mnist_dist`` in a fresh process each, killed with
+its ranks after ``args.timeout`` seconds): modes at a number of GPUs, variants of a mode, and time to accuracy.
+Each yields ``Row``s as its runs finish.
 
 The modes and variants train on generated data with dropout off (replicas would draw different masks), and
-their rows say so; time to accuracy runs on Fashion-MNIST from ``--fashion`` (data/fashion-mnist, the folder
+their rows say so. Against single at the same number of GPUs: at world size 1 ddp and torch_ddp equal it bit
+for bit (loss curve and model.pt: the same batches and kernels, gradients divided by 1) and fsdp's first loss
+does (the same forward); the other one-process modes (the dp family, split) compute single's step on the
+whole batch, so they follow its loss within TOLERANCE. A variant starts from its mode's first loss within its
+own tolerance. Time to accuracy runs on Fashion-MNIST from ``--fashion`` (data/fashion-mnist, the folder
 docs/gpus.md fills), or on generated data, which its row then names.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +23,8 @@ import torch
 
 from mnist_dist.modes import MODES, Processes, compile_refusal
 from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools.gpu_probes import Row, composed
+from mnist_dist.tools.gpu_check import Row
+from mnist_dist.tools.gpu_probes import composed
 from mnist_dist.tools.run import train_in_subprocess
 from mnist_dist.tools.time_to_accuracy import accuracy_curve, seconds_to
 
@@ -34,6 +42,7 @@ VARIANTS = {
     "deterministic=false": (["deterministic=false"], 1e-3),
 }
 GENERATED = "generated data"
+BITWISE = ("ddp", "torch_ddp")  # at world size 1: single's whole run; fsdp: its first loss
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -41,10 +50,17 @@ def losses(run_dir: Path) -> list[float]:
     return list(read_scalars(run_dir)["train/loss_global"].values())
 
 
-def train(run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
-    """One training process; its results.json (None if it failed) and, if it failed, its last error line."""
+def same_weights(run_dir: Path, other: Path) -> bool:
+    """model.pt of both runs holds the same tensors, bit for bit."""
+    ours, theirs = (torch.load(d / "model.pt", map_location="cpu", weights_only=True) for d in (run_dir, other))
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def train(args, run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
+    """One training process under ``args.timeout``; its results.json (None if it failed or timed out) and,
+    if so, its last error line or the timeout."""
     try:
-        return train_in_subprocess(list(overrides), run_dir), ""
+        return train_in_subprocess(list(overrides), run_dir, args.timeout), ""
     except RuntimeError as error:
         return None, str(error)
 
@@ -68,34 +84,58 @@ def common(args, work: Path, gpus: int) -> tuple[str, ...]:
     )
 
 
-def check_modes(args, work: Path, gpus: int) -> tuple[list[Row], dict[str, float]]:
-    """Every mode of ``args.modes`` on as many devices as it can use; the other one-process modes (the dp
-    family, split) compute single's step on the whole batch, so they follow its loss. Also returns each mode's
-    first loss, the baseline of its variants."""
-    rows, curves = [], {}
-    for name in args.modes:
-        mode_gpus = MODES[name].devices(gpus)
+def against_single(
+    name: str, world_size: int, run_dir: Path, curve: list[float], single: Path
+) -> tuple[str, str, bool]:
+    """(proves, figure, passed): mode ``name``'s run against single's at the same number of GPUs."""
+    reference = losses(single)
+    if name in BITWISE and world_size == 1:
+        differs = next((step for step, (a, b) in enumerate(zip(curve, reference), 1) if a != b), None)
+        weights = same_weights(run_dir, single)
+        figure = f"loss curve {'identical' if differs is None else f'differs from step {differs}'} ({len(curve)} steps)"
+        figure += f", model.pt {'identical' if weights else 'differs'}"
+        ok = differs is None and len(curve) == len(reference) and weights
+        return "equals single bit for bit at world size 1 (loss curve, model.pt)", figure, ok
+    if name == "fsdp" and world_size == 1:
+        same = curve[0] == reference[0]
+        figure = f"first loss {'identical' if same else f'{curve[0]!r} against {reference[0]!r}'}"
+        return "starts from single's first loss bit for bit at world size 1", figure, same
+    if MODES[name].processes is Processes.ONE:
+        ours, theirs = torch.tensor(curve[:AGREE_STEPS]), torch.tensor(reference[:AGREE_STEPS])
+        worst = ((ours - theirs).abs() / theirs.abs()).max().item()
+        figure = f"{worst:.1e} from single's loss (at most {TOLERANCE:g})"
+        return f"the mode trains, and follows single's loss over {AGREE_STEPS} steps", figure, worst <= TOLERANCE
+    return "the mode trains", "", True
+
+
+def check_modes(args, work: Path, gpus: int, names: list[str]) -> Iterator[Row]:
+    """Each mode of ``names`` at ``gpus`` (as many as it can use), single first: images/s against single's,
+    the final loss, and the comparison with single (``against_single``)."""
+    speeds = {}
+    for name in sorted(names, key=lambda name: name != "single"):
+        mode_gpus, run_dir, started = MODES[name].devices(gpus), work / "runs" / f"{name}_{gpus}", time.monotonic()
         overrides = (f"mode={name}", f"gpus={mode_gpus}", f"epochs={args.epochs}", *common(args, work, gpus))
-        results, error = train(work / "runs" / name, *overrides)
-        row = Row(f"{name}, {mode_gpus} device(s), {GENERATED}", "the mode trains", error, results is not None)
+        results, error = train(args, run_dir, *overrides)
+        row = Row(f"{name} gpus={mode_gpus}, {GENERATED}", "the mode trains", error, results is not None)
         if results is not None:
-            curves[name] = losses(work / "runs" / name)
-            row.figure = f"{results['train_images_per_s']:,.0f} images/s, final loss {curves[name][-1]:.4f}"
-        rows.append(row)
-    for row, name in zip(rows, args.modes):
-        if MODES[name].processes is Processes.ONE and name != "single" and name in curves and "single" in curves:
-            ours, reference = torch.tensor(curves[name][:AGREE_STEPS]), torch.tensor(curves["single"][:AGREE_STEPS])
-            worst = ((ours - reference).abs() / reference.abs()).max().item()
-            row.proves = f"the mode trains, and follows single's loss over {AGREE_STEPS} steps"
-            row.figure += f"; {worst:.1e} from single's loss (at most {TOLERANCE:g})"
-            row.ok = worst <= TOLERANCE
-    return rows, {name: curve[0] for name, curve in curves.items()}
+            curve, speeds[name] = losses(run_dir), results["train_images_per_s"]
+            compared = name != "single" and "single" in speeds
+            row.figure, row.ok = f"{speeds[name]:,.0f} images/s", math.isfinite(curve[-1])
+            row.figure += f", {speeds['single'] / speeds[name] - 1:+.1%} time vs single" if compared else ""
+            row.figure += f", final loss {curve[-1]:.4f}"
+            if compared:
+                world_size = mode_gpus if MODES[name].processes is Processes.PER_DEVICE else 1
+                single = work / "runs" / f"single_{gpus}"
+                row.proves, said, same = against_single(name, world_size, run_dir, curve, single)
+                row.figure, row.ok = row.figure + (f"; {said}" if said else ""), row.ok and same
+        row.seconds = time.monotonic() - started
+        yield row
 
 
-def check_variants(args, work: Path, gpus: int, first_losses: dict[str, float]) -> list[Row]:
-    """Each variant of each mode that ran, one epoch, ``args.jobs`` at a time; what the trainer refuses by
-    design (compile_refusal) is said, not run."""
-    cases = [(name, variant) for name in args.modes if name in first_losses for variant in args.variants]
+def check_variants(args, work: Path, gpus: int, cases: list[tuple[str, str]]) -> Iterator[Row]:
+    """Each (mode, variant) of ``cases`` whose mode ran at ``gpus``, one epoch, ``args.jobs`` at a time, its first
+    loss against the mode's; what the trainer refuses by design (compile_refusal) is said, not run."""
+    cases = [(name, variant) for name, variant in cases if (work / "runs" / f"{name}_{gpus}" / "results.json").exists()]
     refused = {  # composed here: Hydra's global state is not for threads
         (name, variant): compile_refusal(
             composed(f"mode={name}", f"gpus={MODES[name].devices(gpus)}", *VARIANTS[variant][0]), args.device
@@ -106,46 +146,33 @@ def check_variants(args, work: Path, gpus: int, first_losses: dict[str, float]) 
     def run(case: tuple[str, str]) -> Row:
         name, variant = case
         overrides, tolerance = VARIANTS[variant]
-        mode_gpus = MODES[name].devices(gpus)
-        row = Row(f"{name} {variant}, {mode_gpus} device(s)", f"starts from {name}'s first loss", "", False)
+        mode_gpus, started = MODES[name].devices(gpus), time.monotonic()
+        row = Row(f"{name} {variant} gpus={mode_gpus}", f"starts from {name}'s first loss", "", False)
         if refused[case]:
             row.ok, row.figure = True, f"refused as designed: {refused[case]}"
             return row
         run_dir = work / "runs" / f"{name}_{variant.replace('=', '_')}"
         results, error = train(
-            run_dir, f"mode={name}", f"gpus={mode_gpus}", "epochs=1", *common(args, work, gpus), *overrides
+            args, run_dir, f"mode={name}", f"gpus={mode_gpus}", "epochs=1", *common(args, work, gpus), *overrides
         )
+        row.seconds = time.monotonic() - started
         if results is None:
             row.figure = error
             return row
-        curve = losses(run_dir)
-        difference = abs(curve[0] - first_losses[name]) / abs(first_losses[name])
+        curve, first = losses(run_dir), losses(work / "runs" / f"{name}_{gpus}")[0]
+        difference = abs(curve[0] - first) / abs(first)
         row.ok = difference <= tolerance and math.isfinite(curve[-1])
         row.figure = f"first loss {difference:.1e} from {name}'s (at most {tolerance:g}), last {curve[-1]:.4f}"
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:  # each a subprocess: the threads only wait
-        return list(pool.map(run, cases))
-
-
-def check_overhead(args, work: Path) -> list[Row]:
-    """single, ddp and torch_ddp with gpus=1 (NCCL on CUDA, gloo on a CPU) on generated data: images/s, and
-    each DDP's time against single's."""
-    data = (f"data.root={work / 'data'}", "data.mirrors=[]", f"epochs={args.epochs}", "batch_size=128", warmup(args))
-    speeds, rows = {}, []
-    for name in ("single", "ddp", "torch_ddp"):
-        results, error = train(work / "runs" / f"{name}_1", f"mode={name}", "gpus=1", f"device={args.device}", *data)
-        speeds[name] = results["train_images_per_s"] if results else float("nan")
-        figure = error or f"{speeds[name]:,.0f} images/s" + (
-            "" if name == "single" else f", {speeds['single'] / speeds[name] - 1:+.1%} time vs single"
-        )
-        rows.append(Row(f"{name} gpus=1, {GENERATED}", "the trainer's CUDA path end to end", figure, not error))
-    return rows
+        yield from pool.map(run, cases)
 
 
 def check_time_to_accuracy(args, work: Path) -> list[Row]:
     """recipe=fast to the highest of ``args.targets`` on Fashion-MNIST if ``args.fashion`` holds it (generated
-    data otherwise, said in the row): the training seconds to each target on the run's curve."""
+    data otherwise, said in the row): the training seconds to each target on the run's curve. The default
+    targets sit below the 92 % that recipe=fast ends near, so that reaching them is a margin, not a coin toss."""
     if (args.fashion / "train-images-idx3-ubyte.gz").exists():
         data = ("data=fashion_mnist", f"data.mirrors=[{args.fashion.resolve()}]", f"data.root={work / 'fashion'}")
         where = f"Fashion-MNIST from {args.fashion}"
@@ -156,16 +183,20 @@ def check_time_to_accuracy(args, work: Path) -> list[Row]:
     schedule = [f"epochs={args.tta_epochs}"] if args.tta_epochs else []  # default: the recipe's own
     target = args.targets[-1]
     overrides = ("recipe=fast", f"device={args.device}", *schedule, f"target_accuracy={target}", "eval_every_steps=47")
-    results, error = train(work / "runs" / "fast", *overrides, *data)
+    proves = "time to accuracy, a target recipe=fast passes with margin (it ends near 92 % on Fashion-MNIST)"
+    started = time.monotonic()
+    results, error = train(args, work / "runs" / "fast", *overrides, *data)
     if results is None or results["time_to_target_s"] is None:
-        return [Row(f"recipe=fast to {target:.1%}, {where}", "time to accuracy", error or "not reached", False)]
-    curve, rows = accuracy_curve(work / "runs" / "fast"), []
-    for goal in args.targets:
-        seconds = seconds_to(curve, goal)
-        figure = "not reached" if seconds is None else f"{seconds:.2f} s"
-        if goal == target:  # where the run stopped
-            figure = f"{results['time_to_target_s']:.2f} s, {results['steps_to_target']} steps"
-        figure += f", {results['train_images_per_s']:,.0f} images/s"
-        reached = seconds is not None or goal == target
-        rows.append(Row(f"recipe=fast to {goal:.1%}, {where}", "time to accuracy", figure, reached))
+        rows = [Row(f"recipe=fast to {target:.1%}, {where}", proves, error or "not reached", False)]
+    else:
+        curve, rows = accuracy_curve(work / "runs" / "fast"), []
+        for goal in args.targets:
+            seconds = seconds_to(curve, goal)
+            figure = "not reached" if seconds is None else f"{seconds:.2f} s"
+            if goal == target:  # where the run stopped
+                figure = f"{results['time_to_target_s']:.2f} s, {results['steps_to_target']} steps"
+            figure += f", {results['train_images_per_s']:,.0f} images/s"
+            reached = seconds is not None or goal == target
+            rows.append(Row(f"recipe=fast to {goal:.1%}, {where}", proves, figure, reached))
+    rows[0].seconds = time.monotonic() - started
     return rows

@@ -4,6 +4,8 @@ process, on generated data for the benchmarks), and the arithmetic over their in
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -12,11 +14,29 @@ from pathlib import Path
 from mnist_dist.tools.synthetic import write_idx
 
 
-def train_in_subprocess(overrides: list[str], run_dir: Path) -> dict:
-    """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, without a bar; its
-    results.json. A failed run raises RuntimeError with its exit status and last error line."""
+def bounded(command: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``command`` in a session of its own, its output captured. Past ``timeout`` seconds, or on Ctrl-C,
+    the whole session (the ranks it spawned too) is killed; a timeout raises RuntimeError that says so."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException as error:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise RuntimeError(f"timed out after {timeout:g} s") from None
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | None = None) -> dict:
+    """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, without a bar, killed
+    with its ranks after ``timeout`` seconds; its results.json. A failed run raises RuntimeError with its exit
+    status and last error line, or that it timed out."""
     command = [sys.executable, "-m", "mnist_dist", *overrides, "progress=false", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = bounded(command, timeout)
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no error output"])[-1]
         raise RuntimeError(f"exit {result.returncode}: {last}")
