@@ -19,7 +19,7 @@ Rows, in order (docs/gpus.md says what each proves and which bug makes it fail):
 
 Nothing the check starts can hang it: every probe and training runs in a process of its own, killed with
 the processes it started after ``--timeout`` seconds (a failed row that says so). Each row is printed as it
-finishes and appended to ``--out`` (gpu_check.md) under a header naming the GPU and the date, so a killed
+finishes and appended to ``--out`` (outputs/gpu_check.md) under a header naming the GPU and the date, so a killed
 check leaves its rows; the end says which failed, and the exit status is non-zero if one did. The check
 imports Hydra only after its preflight has said whether it is installed.
 """
@@ -160,6 +160,7 @@ def say(out: Path, *lines: str) -> None:
     """``lines`` printed at once and appended to ``out``: a check killed later keeps them."""
     text = "\n".join(lines)
     print(text, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as file:
         file.write(text + "\n")
 
@@ -173,7 +174,7 @@ def arguments() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="the rows that matter: no modes or variants on every GPU")
-    parser.add_argument("--out", type=Path, default=Path("gpu_check.md"), help="each row is appended here")
+    parser.add_argument("--out", type=Path, default=Path("outputs", "gpu_check.md"), help="each row is appended here")
     parser.add_argument("--timeout", type=float, help="seconds each probe and training may take (120; a CPU: 600)")
     parser.add_argument("--train-images", type=int, default=12_800, help="generated images: x epochs / batch = steps")
     parser.add_argument("--epochs", type=int, default=2)
