@@ -19,7 +19,7 @@ ROOT = Path(__file__).parent.parent
 
 def documented_command() -> str:
     """The first bash block of the section: the test runs what the page says, so the two cannot drift."""
-    section = (ROOT / "docs" / "gpus.md").read_text().split("\n## Offline GPU machine\n", 1)[1]
+    section = (ROOT / "docs" / "gpus.md").read_text().split("\n## An offline GPU machine\n", 1)[1]
     return re.search(r"```bash\n(.*?)\n```", section, re.S).group(1)
 
 

@@ -51,9 +51,10 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def same_weights(run_dir: Path, other: Path) -> bool:
-    """model.pt of both runs holds the same tensors, bit for bit."""
-    ours, theirs = (torch.load(d / "model.pt", map_location="cpu", weights_only=True) for d in (run_dir, other))
-    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    """model.pt of both runs holds the same tensors, bit for bit, on the CPU (so that it loads without a GPU)."""
+    ours, theirs = (torch.load(d / "model.pt", weights_only=True) for d in (run_dir, other))
+    on_cpu = all(tensor.device.type == "cpu" for tensor in [*ours.values(), *theirs.values()])
+    return on_cpu and ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def train(args, run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
@@ -93,7 +94,7 @@ def against_single(
         differs = next((step for step, (a, b) in enumerate(zip(curve, reference), 1) if a != b), None)
         weights = same_weights(run_dir, single)
         figure = f"loss curve {'identical' if differs is None else f'differs from step {differs}'} ({len(curve)} steps)"
-        figure += f", model.pt {'identical' if weights else 'differs'}"
+        figure += f", model.pt {'identical, on the CPU' if weights else 'differs, or not on the CPU'}"
         ok = differs is None and len(curve) == len(reference) and weights
         return "equals single bit for bit at world size 1 (loss curve, model.pt)", figure, ok
     if name == "fsdp" and world_size == 1:

@@ -5,7 +5,7 @@
 Fills DIR/wheels with wheels for CPython 3.12 on x86_64 Linux (``--python-version``, ``--platform``):
 hydra-core, omegaconf and what they need (PyYAML, packaging), antlr4-python3-runtime 4.9.3 (an sdist only
 on the index, built here into its pure-Python wheel), and setuptools for the editable install's isolated
-build; and DIR/fashion-mnist with the four Fashion-MNIST files. docs/gpus.md ("Offline GPU machine") gives
+build; and DIR/fashion-mnist with the four Fashion-MNIST files. docs/gpus.md ("An offline GPU machine") gives
 the command that installs from DIR with ``pip install --no-index`` and runs the GPU check. Needs no package
 beyond the standard library (not even torch), so any Python 3.11+ with pip runs it.
 """
