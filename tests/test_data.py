@@ -239,3 +239,13 @@ def test_load_split_and_to_device(tmp_path, device):
     expected = (images.unsqueeze(1).double() / 255 - 0.5) / 0.25
     torch.testing.assert_close(x.cpu().double(), expected, rtol=0, atol=1e-6)
     assert images.dtype == torch.uint8  # the caller's tensor is untouched
+
+
+@needs_fashion
+def test_the_command_with_mnist_on_the_fashion_mnist_folder_ends_in_one_line(tmp_path, cli_in_process):
+    code = cli_in_process(
+        "data=mnist", f"data.root={tmp_path}/data", f"data.mirrors=[{FASHION}]", f"hydra.run.dir={tmp_path}/run"
+    )
+    assert code.startswith(f"error: could not get the mnist files: tried {FASHION} (its train-images-idx3-ubyte is")
+    assert "fashion_mnist's, not mnist's" in code and "\n" not in code
+    assert idx_files(tmp_path / "data" / "MNIST" / "raw") == [] and not (tmp_path / "run").exists()
