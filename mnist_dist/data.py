@@ -1,8 +1,9 @@
 """MNIST / Fashion-MNIST on disk and on the device.
 
-`prepare` runs once in the launching process (docs/data.md): it fetches, decompresses and validates the
-four IDX files in torchvision's layout, so workers only call `load_split`, which needs no network and trusts
-the files; operations/fetch.py gets one file from one source.
+`prepare` runs once in the launching process (docs/data.md): torchvision downloads the four IDX files into its
+layout, <root>/<MNIST|FashionMNIST>/raw, and checks their md5s; a local folder (Debian's dataset-fashion-mnist) is
+checked by the md5s of its decompressed files. Workers only call `load_split`, a small IDX reader that needs no
+network (importing torchvision would cost every worker seconds).
 
 Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r
 takes the r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single
@@ -11,111 +12,150 @@ process's gradient of that batch. The last incomplete global batch is dropped: e
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import logging
 import os
-import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import torch
 from filelock import FileLock
 
+from mnist_dist.operations import files
 from mnist_dist.operations.errors import DataError
-from mnist_dist.operations.fetch import fetch_file, fetched_here
-from mnist_dist.operations.files import open_regular
 
 log = logging.getLogger(__name__)
 
-_DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class
-_SPLITS = (("train", 60_000), ("t10k", 10_000))  # file prefix, standard size
-# What a failing source may raise: network (URLError and HTTPError are OSErrors), a broken gzip
-# stream, torchvision's own checks (RuntimeError), our validation (DataError is a RuntimeError).
-_SOURCE_ERRORS = (OSError, EOFError, zlib.error, RuntimeError)
-
-
-def dataset_class(name: str) -> type:
-    """The torchvision class for a config name; it fixes the file names, md5s, mirrors and folder."""
-    class_name = _class_name(name)
-    # Imported here, in the parent's prepare only: torchvision imports torch._dynamo, seconds of CPU
-    # that every worker would pay at start for files it only reads.
-    import torchvision.datasets
-
-    return getattr(torchvision.datasets, class_name)
-
-
-def _class_name(name: str) -> str:
-    try:
-        return _DATASETS[name]
-    except KeyError:
-        raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}") from None
-
-
-# https copies of the upstream .gz files (byte for byte, so md5-checked) where torchvision knows only
-# plain http: Fashion-MNIST's authors keep them in their repository.
-_UPSTREAM_HTTPS = {
-    "fashion_mnist": ["https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"]
+_DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class and folder
+# The md5 of each decompressed file. torchvision knows only the md5s of the upstream .gz archives, and Debian's
+# .gz files are recompressed (other md5s, the same bytes inside). MNIST's are the ones published beside the
+# archives' md5s that torchvision checks; Fashion-MNIST's were computed from Debian's files.
+_RAW_MD5 = {
+    "mnist": {
+        "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+        "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+        "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+        "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+    },
+    "fashion_mnist": {
+        "train-images-idx3-ubyte": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+        "train-labels-idx1-ubyte": "9018921c3c673c538a1fc5bad174d6f9",
+        "t10k-images-idx3-ubyte": "8181f5470baa50b63fa0f6fddb340f0a",
+        "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
+    },
 }
-
-
-def official_mirrors(name: str) -> list[str]:
-    """The config defaults: torchvision's https mirrors and the authors' https copy. Plain http (such
-    as yann.lecun.com) is tried only where the user writes it."""
-    https = [m for m in dataset_class(name).mirrors if m.startswith("https://")]
-    return https + _UPSTREAM_HTTPS.get(name, [])
+_FILES = tuple(_RAW_MD5["mnist"])
+# What a failing source raises: the network and torchvision (URLError is an OSError; a failed md5 is a
+# RuntimeError), a missing or unreadable file, a broken gzip stream, our md5 check (DataError).
+_SOURCE_ERRORS = (OSError, RuntimeError, EOFError, zlib.error)
 
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
     """Where the decompressed IDX files of ``name`` live under ``root`` (torchvision's layout)."""
-    return Path(root) / _class_name(name) / "raw"
+    if name not in _DATASETS:
+        raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}")
+    return Path(root) / _DATASETS[name] / "raw"
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
-    """Make <root>/<Folder>/raw hold the four decompressed, validated IDX files and return that dir.
+    """Make ``raw_dir(name, root)`` hold the four decompressed IDX files and return it.
 
-    Idempotent and cheap once done (headers and label bytes are re-checked, nothing is fetched, no
-    file is written: a read-only root works). Otherwise a lock makes a second launch sharing `root`
-    wait, then find the files ready. A file prepare did not write is never deleted or replaced.
+    Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
+    sources are tried in order: .gz files in that folder, then ``mirrors``. A URL goes through torchvision
+    (download, md5 of the upstream archive); a folder or file:// URL is copied only if all four files are
+    ``name``'s by their md5s, so no other data lands under this name. A second launch sharing ``root`` waits
+    on a lock, then finds the files ready. With nothing to try, nothing is written.
     """
     raw = raw_dir(name, root)
-    counts = _valid_counts(raw)
-    if counts is None:
-        cls = dataset_class(name)
-        raw.mkdir(parents=True, exist_ok=True)
+    if not _complete(raw):
+        sources = [str(raw)] * any(raw.glob("*.gz")) + list(mirrors)
+        if not sources:
+            raise _missing(name, raw, [])
+        raw.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(raw.parent / ".prepare.lock"):
-            counts = {gz: _get_file(name, cls, raw, gz, md5, mirrors) for gz, md5 in cls.resources}
-    for prefix, standard in _SPLITS:
-        n_images = counts[f"{prefix}-images-idx3-ubyte.gz"]
-        n_labels = counts[f"{prefix}-labels-idx1-ubyte.gz"]
+            if not _complete(raw):
+                _fetch(name, raw, sources)
+    for prefix in ("train", "t10k"):
+        n_images, n_labels = (_items(raw / f"{prefix}-{kind}-ubyte") for kind in ("images-idx3", "labels-idx1"))
         if n_images != n_labels:
             raise DataError(
-                f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but "
-                f"{prefix}-labels-idx1-ubyte holds {n_labels} labels: put a matching pair "
-                f"there, or delete both to fetch them again"
-            )
-        if not n_images:
-            raise DataError(
-                f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte hold no examples: put the "
-                "full files there, or delete both to fetch them again"
-            )
-        if n_images != standard:
-            log.warning(
-                "%s %s split has %d examples, not the standard %d (a subset?)", name, prefix, n_images, standard
+                f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but {prefix}-labels-idx1-ubyte holds "
+                f"{n_labels} labels: put a matching pair there, or delete both to fetch them again"
             )
     return raw
 
 
-def _valid_counts(raw: Path) -> dict[str, int] | None:
-    """Item counts by .gz name when all four decompressed files are in place and valid, else None."""
-    names = [f"{prefix}-{kind}-ubyte.gz" for prefix, _ in _SPLITS for kind in ("images-idx3", "labels-idx1")]
-    try:
-        return {gz: _check_idx(raw / gz.removesuffix(".gz"), "-images-" in gz) for gz in names}
-    except (DataError, OSError):
-        return None
+def _complete(raw: Path) -> bool:
+    return all((raw / file).is_file() for file in _FILES)
+
+
+def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
+    tried = []
+    for source in sources:
+        try:
+            if source.startswith(("http://", "https://")):
+                _download(name, raw.parent.parent, source)
+            else:
+                _copy(name, _folder(source), raw)
+            log.info("%s: got the IDX files from %s", name, source)
+            return
+        except _SOURCE_ERRORS as e:
+            tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
+    raise _missing(name, raw, tried)
+
+
+def _download(name: str, root: Path, url: str) -> None:
+    """torchvision's download of the four archives from ``url``, each checked by its upstream md5."""
+    # Imported here, in the parent only: torchvision imports torch._dynamo, seconds of CPU.
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, _DATASETS[name])
+    # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
+    mirrored = type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})
+    mirrored(root, train=True, download=True)
+
+
+def _folder(source: str) -> Path:
+    return Path(url2pathname(urlparse(source).path) if source.startswith("file://") else source).expanduser()
+
+
+def _copy(name: str, folder: Path, raw: Path) -> None:
+    """The four files of ``folder`` (.gz or decompressed) into ``raw``, once all four are ``name``'s by md5."""
+    contents = {}
+    for file, md5_want in _RAW_MD5[name].items():
+        gz = folder / f"{file}.gz"
+        contents[file] = gzip.decompress(gz.read_bytes()) if gz.is_file() else (folder / file).read_bytes()
+        md5 = hashlib.md5(contents[file]).hexdigest()
+        if md5 != md5_want:
+            known = [other for other, md5s in _RAW_MD5.items() if md5s[file] == md5]
+            raise DataError(
+                f"its {file} is {known[0]}'s, not {name}'s" if known else f"its {file} is not {name}'s (md5 {md5})"
+            )
+    raw.mkdir(parents=True, exist_ok=True)
+    for file, content in contents.items():
+        files.write(raw / file, content)
+
+
+def _missing(name: str, raw: Path, tried: list[str]) -> DataError:
+    # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
+    debian = (
+        " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
+        if name == "fashion_mnist"
+        else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
+        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
+    )
+    return DataError(
+        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
+        f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"
+    )
 
 
 def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` validated them."""
+    """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` checked the files."""
     prefix = "train" if train else "t10k"
     raw = Path(raw_dir)
     images = _read_idx(raw / f"{prefix}-images-idx3-ubyte", header_len=16)
@@ -124,10 +164,22 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
 
 
 def _read_idx(path: Path, header_len: int) -> torch.Tensor:
-    """The uint8 items after the header (torchvision's reader does the same, but importing it costs a
-    worker seconds: see dataset_class)."""
-    with os.fdopen(open_regular(path), "rb") as f:
-        return torch.frombuffer(bytearray(f.read()[header_len:]), dtype=torch.uint8)
+    """The uint8 items after the header (torchvision's reader does the same, but importing it costs a worker
+    seconds)."""
+    return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
+
+
+def _items(path: Path) -> int:
+    """The item count an IDX file's header gives, checked against its size: a copy cut short (a download
+    interrupted) is one line here rather than a traceback in every worker."""
+    header_len, item = (16, 784) if "-images-" in path.name else (8, 1)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8)[4:], "big")
+    if (size := path.stat().st_size) != header_len + n * item:
+        raise DataError(
+            f"{path}: {size} bytes, not the {header_len + n * item} its header says: delete it to fetch it again"
+        )
+    return n
 
 
 def to_device_tensors(
@@ -140,83 +192,9 @@ def to_device_tensors(
     return x, labels.to(device, torch.int64)
 
 
-def _get_file(name: str, cls: type, raw: Path, gz_name: str, md5: str, mirrors: Sequence[str]) -> int:
-    """Ensure raw/<gz_name minus .gz> is a valid IDX file and return its item count: the decompressed file
-    already there, the .gz already there, then each mirror. A bad file prepare did not write is left alone."""
-    dest = raw / gz_name.removesuffix(".gz")
-    images = "-images-" in gz_name
-    tried = []
-    if dest.exists() or dest.is_symlink():  # a dangling or looping link is the user's file too
-        try:
-            return _check_idx(dest, images)
-        except (DataError, OSError) as e:
-            reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e.strerror}"
-            if not fetched_here(dest):
-                raise DataError(
-                    f"{dest} is invalid ({reason}); mnist_dist did not write it, so it is left alone: "
-                    "fix it, or move it away to have it fetched again"
-                ) from None
-            log.warning("%s is invalid (%s); fetching it again", dest, reason)
-            tried.append(f"{dest} ({reason})")
-    official = {m.rstrip("/") for m in [*cls.mirrors, *official_mirrors(name)]}  # serve the md5s torchvision records
-    local_gz = [str(raw)] if (raw / gz_name).is_file() else []
-    for source in [*local_gz, *mirrors]:
-        try:
-            checked_md5 = md5 if source.rstrip("/") in official else None
-            with fetch_file(source, gz_name, checked_md5, dest, _largest_valid(gz_name)) as tmp:
-                count = _check_idx(tmp, images)
-            log.info("%s: got %s from %s", name, dest.name, source)
-            return count
-        except _SOURCE_ERRORS as e:
-            reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
-            tried.append(f"{source} ({' '.join(reason.split())})")  # one line, whatever e says
-    # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
-    debian = (
-        " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
-        if cls.__name__ == "FashionMNIST"
-        else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
-        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
-    raise DataError(
-        f"could not get {gz_name} for {name}: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
-        f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"
-    )
-
-
-def _largest_valid(gz_name: str) -> int:
-    """Bytes of the decompressed file at the standard size: no valid file is larger."""
-    standard = dict(_SPLITS)[gz_name.split("-")[0]]
-    return (16 + standard * 784) if "-images-" in gz_name else (8 + standard)
-
-
-def _check_idx(path: Path, images: bool) -> int:
-    """The item count of an MNIST IDX file, or a DataError saying what is wrong with it (once, in the parent,
-    so that workers can trust the files; torchvision's reader only asserts)."""
-    header_len, magic_want, dims_want, item = (16, 0x803, [28, 28], 784) if images else (8, 0x801, [], 1)
-    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
-        header = f.read(header_len)
-        if len(header) < header_len:
-            raise DataError(f"{len(header)} bytes, too short for an IDX header")
-        magic, n, *dims = struct.unpack(f">{header_len // 4}I", header)
-        if magic != magic_want:
-            raise DataError(f"magic {magic:#010x}, expected {magic_want:#010x}")
-        if dims != dims_want:
-            raise DataError(f"images are {dims[0]}x{dims[1]}, expected 28x28")
-        # The size before any item is read: a sparse file of 40 GB must not be read into memory.
-        size, size_want = os.fstat(f.fileno()).st_size, header_len + n * item
-        if size != size_want:
-            raise DataError(f"{size} bytes, expected {size_want} for {n} items (truncated?)")
-        labels = b"" if images else f.read(n)
-    if labels and max(labels) > 9:
-        raise DataError(f"label {max(labels)} out of range 0..9")
-    return n
-
-
 def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
-    """The number of images of one split, from its IDX header (``prepare`` validated the file)."""
-    prefix = "train" if train else "t10k"
-    with open(Path(raw_dir) / f"{prefix}-images-idx3-ubyte", "rb") as f:
-        return struct.unpack(">I", f.read(8)[4:])[0]
+    """The number of images of one split, from its IDX header (``prepare`` checked the file)."""
+    return _items(Path(raw_dir) / f"{'train' if train else 't10k'}-images-idx3-ubyte")
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ from hydra.utils import instantiate
 from torch import nn
 
 from mnist_dist.config import ConfigError, describe_hydra_error
-from mnist_dist.data import official_mirrors
 from mnist_dist.topology import resolve
 
 
@@ -55,11 +54,10 @@ def test_optimizer_and_scheduler_are_built_from_their_config(make_config, overri
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist"])
-def test_default_mirrors_are_the_official_https_ones(name):
-    """Plain http only where the user wrote it: a default mirror is https and md5-checked."""
+def test_default_mirrors_are_https(name):
+    """Plain http only where the user wrote it (torchvision checks every download's md5 either way)."""
     with initialize_config_module("mnist_dist.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"data={name}"])
-    assert list(cfg.data.mirrors) == official_mirrors(name)
     assert cfg.data.mirrors and all(m.startswith("https://") for m in cfg.data.mirrors)
 
 
