@@ -29,7 +29,7 @@ from mnist_dist.operations import files
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.step import first_non_finite
 
-FORMAT = 4
+FORMAT = 5  # 5: the optimizer's state keyed by parameter name, in every mode
 # What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
 _ENTRIES = {
     "model": dict,

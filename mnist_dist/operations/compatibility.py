@@ -19,6 +19,7 @@ from mnist_dist.config import Config
 from mnist_dist.model import make_scheduler
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations.errors import ConfigError
+from mnist_dist.parallel.state import load_optimizer_state
 
 log = logging.getLogger("mnist_dist")
 
@@ -198,9 +199,10 @@ def _check_restorable(state: dict, cfg: Config) -> bool:
         model = instantiate(cfg.model)
         model.load_state_dict(state["model"])
         optimizer = instantiate(cfg.optim)(model.parameters())
-        optimizer.load_state_dict(state["optimizer"])
-        # total_steps: any plan; OneCycleLR's state holds the run's own
+        # total_steps: any plan; OneCycleLR's state holds the run's own. Made before the optimizer's state is
+        # loaded, as train does: the saved param_groups hold the initial_lr that a scheduler adds.
         scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, cfg.epochs)
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
