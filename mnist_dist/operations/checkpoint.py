@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import random
+import zipfile
 from dataclasses import dataclass, field
 from itertools import count, takewhile
 from pathlib import Path
@@ -84,7 +85,11 @@ def load(path: Path) -> dict:
 
 def _read(path: Path) -> dict:
     try:
+        with zipfile.ZipFile(path):  # torch.save's container: a truncated or foreign file is said in plain words
+            pass
         saved = torch.load(path, map_location="cpu", weights_only=True)
+    except zipfile.BadZipFile as error:
+        raise ConfigError(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
         raise ConfigError(
             "it holds something other than tensors and plain values, which mnist_dist never loads (not a "

@@ -85,6 +85,8 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
 
 
 def _renamed(state: dict, names: dict[str, str]) -> dict:
+    if not state:  # a rank other than 0: the full state is gathered to rank 0 only
+        return state
     return {
         "state": {names.get(key, key): value for key, value in state["state"].items()},
         "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]],
