@@ -50,7 +50,9 @@ def save(obj: Any, path: Path, older: int = 0) -> None:
     torch.save(obj, buffer)
     with files.atomic(path) as pending:
         pending.file.write(buffer.getbuffer())
-        # The new bytes are written: from here a crash leaves the older ones, shifted or not.
+        pending.file.flush()
+        os.fsync(pending.file.fileno())
+        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
         names = [path] + [_older(path, n) for n in range(1, older + 1)]
         for source, dest in reversed(list(zip(names, names[1:]))):
             if source.exists():
