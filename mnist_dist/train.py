@@ -25,11 +25,11 @@ from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epo
 from mnist_dist.metrics import Meters, StepTimer, all_gather, ddp_counters_ms, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.operations import checkpoint, preemption, profiling
+from mnist_dist.operations import checkpoint, files, preemption, profiling
+from mnist_dist.operations.checkpoint import Losses, restore, save_checkpoint
 from mnist_dist.operations.console import Progress
 from mnist_dist.operations.errors import FILE_ONLY, setup_logging
 from mnist_dist.operations.results import finish
-from mnist_dist.operations.resume import Losses, restore, save_checkpoint
 from mnist_dist.operations.tensorboard import Scalars, window_tags
 from mnist_dist.step import Precision, TrainingDiverged, evaluate_as_saved, train_step
 from mnist_dist.topology import Topology
@@ -114,7 +114,7 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
         log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
-        checkpoint.save_text(config_yaml, run_dir / "config.yaml")  # replaces a planted symlink, never follows it
+        files.write_text(run_dir / "config.yaml", config_yaml)  # replaces a planted symlink, never follows it
     device = topology.device  # mnist_dist.topology.setup_process set this process up
     train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)

@@ -32,7 +32,7 @@ def test_every_file_written_whole_goes_through_the_one_primitive():
             code = line.split("#")[0]
             if SECOND_MECHANISM.search(code):
                 found.append(f"{path.relative_to(PACKAGE)}: {line.strip()}")
-    # save_kept renames the older checkpoints within the run directory (no new bytes): the one exception
+    # checkpoint.save shifts the older checkpoints within the run directory (no new bytes): the one exception
     renames = {"operations/checkpoint.py: os.replace(source, dest)"}
     assert [f for f in found if f.split("  #")[0] not in renames] == []
 

@@ -16,7 +16,7 @@ from mnist_dist import metrics
 from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
-from mnist_dist.operations import resume
+from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import DistributedDataParallel, timing
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.tools import baselines, bench
@@ -267,9 +267,9 @@ def test_a_checkpoint_keeps_the_random_state_of_every_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.extend(new))
-    (saved,) = resume.rng_states_of_all_ranks()
+    (saved,) = checkpoint.rng_states_of_all_ranks()
     assert saved["cuda"] == states
-    resume.restore_rng([saved], rank=0)
+    checkpoint.restore_rng([saved], rank=0)
     assert restored == states
 
 

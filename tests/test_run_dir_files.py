@@ -11,7 +11,7 @@ import pytest
 from helpers import compose_config
 
 from mnist_dist.launch import launch
-from mnist_dist.operations import checkpoint
+from mnist_dist.operations import checkpoint, results
 from mnist_dist.operations.errors import describe_os_error, last_resort
 
 SHORT = ("epochs=1", "batch_size=32")
@@ -78,5 +78,5 @@ def test_the_files_of_a_run_follow_the_umask(tiny_root, tmp_path):
 def test_an_atomic_write_follows_the_umask(tmp_path, mask):
     with umask(mask):
         checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
-        checkpoint.save_json({"a": 1}, tmp_path / "results.json")
+        results.save_json({"a": 1}, tmp_path / "results.json")
     assert mode_of(tmp_path / "checkpoint.pt") == mode_of(tmp_path / "results.json") == 0o666 & ~mask

@@ -1,19 +1,16 @@
-"""Issue 38: nothing of a run is lost to a new launch or a skipped checkpoint, checkpoints are verified
-before they resume, and nothing is written through a link the run did not make (a checkpoint.pt link, a
-tb link, TensorBoard's own file). Each test failed on commit ee05943."""
+"""Issue 38: nothing of a run is lost to a new launch, a checkpoint's position is checked before it resumes,
+and nothing is written through a link the run did not make (a tb link, TensorBoard's own file). Each test
+failed on commit ee05943."""
 
 import errno
 import logging
 import os
 import shutil
-import struct
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import compose_config
 
 from mnist_dist.config import ConfigError
@@ -57,48 +54,6 @@ def test_a_fresh_launch_into_an_unfinished_run_says_resume_auto(tiny_root, train
         launch(compose_config(tiny_root, "epochs=2", "batch_size=32"), run)
 
 
-def flip_a_byte_of_the_weights(path: Path) -> None:
-    with zipfile.ZipFile(path) as archive:
-        entry = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
-    data = bytearray(path.read_bytes())
-    name_length, extra_length = struct.unpack("<HH", data[entry.header_offset + 26 : entry.header_offset + 30])
-    data[entry.header_offset + 30 + name_length + extra_length + 100] ^= 0xFF  # inside the first tensor's bytes
-    path.write_bytes(bytes(data))
-
-
-def test_flipped_bytes_in_a_checkpoint_are_refused_before_it_resumes(trained, tmp_path):
-    shutil.copy(trained / "checkpoint.pt", tmp_path / "checkpoint.pt")
-    flip_a_byte_of_the_weights(tmp_path / "checkpoint.pt")
-    with pytest.raises(ConfigError, match=r"its bytes are not the ones written \(checksum of archive/data/\d+ wrong\)"):
-        checkpoint.load(tmp_path / "checkpoint.pt")
-
-
-def test_resume_auto_past_a_damaged_checkpoint_keeps_the_one_it_resumed_from(trained, tmp_path):
-    for name in ("checkpoint.pt", "checkpoint.1.pt"):
-        shutil.copy(trained / name, tmp_path / name)
-    flip_a_byte_of_the_weights(tmp_path / "checkpoint.pt")
-    good = (tmp_path / "checkpoint.1.pt").read_bytes()
-    assert checkpoint.newest_readable(tmp_path) == tmp_path / "checkpoint.1.pt"
-    checkpoint.save_kept({"step": 11}, tmp_path / "checkpoint.pt", keep=2)  # the resumed run's next save
-    assert (tmp_path / "checkpoint.1.pt").read_bytes() == good
-    assert torch.load(tmp_path / "checkpoint.pt") == {"step": 11}
-
-
-def test_rotation_closes_the_gaps_that_damaged_checkpoints_leave(trained, tmp_path):
-    path, state = tmp_path / "checkpoint.pt", checkpoint.load(trained / "checkpoint.pt")
-    for step, name in enumerate(["checkpoint.3.pt", "checkpoint.2.pt", "checkpoint.1.pt", "checkpoint.pt"]):
-        checkpoint.save({**state, "step": step, "format": checkpoint.FORMAT}, tmp_path / name)
-    (tmp_path / "checkpoint.1.pt").write_bytes(b"damaged")
-
-    def steps() -> dict:
-        return {p.name: torch.load(p, weights_only=True)["step"] for p in sorted(tmp_path.iterdir())}
-
-    checkpoint.save_kept({**state, "step": 9}, path, keep=4)
-    assert steps() == {"checkpoint.pt": 9, "checkpoint.1.pt": 3, "checkpoint.2.pt": 1, "checkpoint.3.pt": 0}
-    checkpoint.save_kept({**state, "step": 10}, path, keep=4)  # the usual rotation: everything one place up
-    assert steps() == {"checkpoint.pt": 10, "checkpoint.1.pt": 9, "checkpoint.2.pt": 3, "checkpoint.3.pt": 1}
-
-
 @pytest.mark.parametrize("epoch_step", [21, 10**6])  # the epoch has 20 steps: 20 is a preemption at its last step
 def test_a_position_past_the_end_of_its_epoch_is_refused_and_nothing_is_written(
     tiny_root, trained, tmp_path, epoch_step
@@ -118,28 +73,6 @@ def test_a_position_past_the_end_of_its_epoch_is_refused_and_nothing_is_written(
         "batch_size=32): damaged, crafted, or saved at a smaller batch_size; resume from another checkpoint.pt"
     )
     assert contents(run) == before and not (tmp_path / "new").exists()
-
-
-def test_a_file_system_without_hard_links_keeps_the_older_checkpoint(tmp_path, monkeypatch):
-    def no_links(*args, **kwargs):
-        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
-
-    monkeypatch.setattr(os, "link", no_links)
-    for step in (1, 2):
-        checkpoint.save_kept({"step": step}, tmp_path / "checkpoint.pt", keep=2)
-    assert [torch.load(tmp_path / n)["step"] for n in ("checkpoint.pt", "checkpoint.1.pt")] == [2, 1]
-
-
-def test_a_checkpoint_link_is_not_resumed_by_resume_auto(tiny_root, trained, tmp_path):
-    elsewhere = tmp_path / "elsewhere"
-    shutil.copytree(trained, elsewhere)
-    before = contents(elsewhere)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "checkpoint.pt").symlink_to(elsewhere / "checkpoint.pt")
-    with pytest.raises(ConfigError, match=r"checkpoint.pt \(not a file of this run directory"):
-        launch(compose_config(tiny_root, "epochs=2", "batch_size=32", "resume=auto"), run)
-    assert contents(elsewhere) == before
 
 
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])

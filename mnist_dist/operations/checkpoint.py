@@ -1,263 +1,261 @@
-"""Checkpoint files: written atomically (files.py), read back with clear errors, and kept in older copies
-for when the newest is unusable.
+"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and the files that hold it.
 
-A checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so
-a crafted file cannot run code. Its ``format`` key names the layout (``_ENTRIES``); this version reads
-its own, ``FORMAT``, and names any other in a one-line refusal. Whether it may resume this run's config
-is compatibility.py's question; what a run puts in it and takes out, resume.py's.
+- Written whole or not at all: ``torch.save`` into memory, then a temporary file that replaces ``checkpoint.pt``
+  (``files.atomic``). The ``keep_checkpoints - 1`` it replaced stay as ``checkpoint.1.pt`` (the newest), ... for
+  when the newest is unusable: renamed once the new bytes are written.
+- Never from weights that are not finite: a diverged run keeps its last good checkpoint.
+- Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a file cannot run code.
+- Model and optimizer state in every mode through ``torch.distributed.checkpoint.state_dict`` (parallel/state.py),
+  keyed by the plain model's names; with them every rank's random state and meters, so that dropout and the
+  clocks go on as if never stopped (on as many ranks as wrote it; on another number the new ranks keep their seed).
+
+Whether a checkpoint may resume this command's config is compatibility.py's question.
 """
 
 from __future__ import annotations
 
-import errno
-import glob
 import io
-import json
 import logging
-import math
 import os
 import pickle
-import re
-import stat
+import random
 import zipfile
+from dataclasses import dataclass, field
+from itertools import count, takewhile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from mnist_dist.operations import files
 from mnist_dist.operations.errors import ConfigError
-from mnist_dist.step import first_non_finite
+from mnist_dist.parallel import state
+from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
 
-FORMAT = 4
-# What each entry must be; a checkpoint lacking one, or holding something else, is refused by name.
-_ENTRIES = {
-    "model": dict,
-    "optimizer": dict,
-    "scheduler": dict,
-    "scaler": dict,
-    "epoch": int,  # epochs completed
-    "epoch_step": int,  # steps done in the next epoch (0 at an epoch's end; checkpoint_every_steps)
-    "step": int,
-    "rng": list,
-    "meters": list,  # by rank: clocks, images and seconds counted, a split log window's losses
-    "world_size": int,
-    "config": str,
-}
+if TYPE_CHECKING:
+    from mnist_dist.train import Run
 
-_LEAST = {"epoch": 0, "epoch_step": 0, "step": 0, "world_size": 1}  # what a position can be at least
-_usable: dict[tuple, bool] = {}  # by file identity (``_identity``): whether ``usable``
+FORMAT = 5  # 5: the optimizer's state keyed by parameter name, in every mode
+NEWEST = "checkpoint.pt"
 
 log = logging.getLogger("mnist_dist")
 
 
-def save(obj: Any, path: Path) -> None:
-    """torch.save, atomically. Serialised in memory first: a full disk then fails in a plain write,
-    as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
+def save(obj: Any, path: Path, older: int = 0) -> None:
+    """``torch.save`` to ``path`` whole or not at all. ``older``: how many of the files it replaces stay, as
+    ``<name>.1.pt`` (the newest), ``<name>.2.pt``, ... Serialised in memory first: a full disk then fails in a plain
+    write, as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    # The view is released before an error leaves: held by the error's traceback in a reference loop, an exported
-    # BytesIO buffer crashes CPython's garbage collector (3.12.1, cpython#111049, a full disk's OSError did it)
-    with buffer.getbuffer() as view:
-        files.write(path, view)
+    with files.atomic(path) as pending:
+        # The view is released before an error leaves: held by the error's traceback in a reference loop, an
+        # exported BytesIO buffer crashes CPython's garbage collector (3.12.1, cpython#111049: a full disk did it)
+        with buffer.getbuffer() as view:
+            pending.file.write(view)
+        pending.file.flush()
+        os.fsync(pending.file.fileno())
+        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
+        names = [path] + [_older(path, n) for n in range(1, older + 1)]
+        for source, dest in reversed(list(zip(names, names[1:]))):
+            if source.exists():
+                os.replace(source, dest)
 
 
-def save_kept(state: dict, path: Path, keep: int) -> None:
-    """``save`` that keeps the ``keep - 1`` previous checkpoints as ``<name>.1.pt`` (newest), ``<name>.2.pt``...
-    ``path`` is never missing nor partial: the previous file gets its new name as a hard link (a copy where
-    the file system has none) before the new one atomically replaces it. The older ones are for when the
-    newest is unusable. Only a checkpoint that could be resumed from (``usable``) takes a kept place: one
-    that ``resume=auto`` skipped is dropped, never the one the run went on from."""
-    older = [path.with_suffix(f".{n}.pt") for n in range(1, keep)]
-    chain = [path, *older]
-    kept = [p for p in chain if usable(p)][: keep - 1]
-    for stale in older:
-        if stale not in kept:
-            stale.unlink(missing_ok=True)
-    moves = list(zip(kept, older))  # each kept checkpoint to its new place, newest first
-    # Before the first gap every kept one moves one place up (done oldest first); after it they move
-    # down into the gaps (done newest first), so that no move lands on a checkpoint still to be moved.
-    gap = next((i for i, (source, _) in enumerate(moves) if source != chain[i]), len(moves))
-    for source, dest in moves[gap:]:
-        if source != dest:
-            os.replace(source, dest)  # renames within the run directory: the older checkpoints
-    for source, dest in reversed(moves[:gap]):
-        if source == path:
-            _link_or_copy(path, dest)
-        else:
-            os.replace(source, dest)
-    save(state, path)
-    _usable[_identity(path)] = True  # what this process wrote is not read back at the next rotation
-
-
-def _link_or_copy(path: Path, dest: Path) -> None:
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(path, dest)
-    except OSError as error:  # EPERM, ENOTSUP, EXDEV...: a file system without hard links (FAT, some FUSE)
-        if error.errno not in {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}:
-            raise
-        files.write(dest, path.read_bytes())
-
-
-def _regular(path: Path) -> bool:
-    """A file the run wrote there: a planted link is never rotated into a kept place."""
-    try:
-        return stat.S_ISREG(path.lstat().st_mode)
-    except OSError:
-        return False
-
-
-def usable(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint of this run directory that resume could go on from (``_read``); read
-    once per process (by identity: renames keep it, and what this process saved or read is known)."""
-    if not _regular(path):
-        return False
-    key = _identity(path)
-    if key not in _usable:
-        try:
-            _read(path)
-        except _Unusable:
-            _usable[key] = False
-    return _usable[key]
-
-
-def _identity(path: Path) -> tuple:
-    status = path.stat()
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
-
-
-def save_json(obj: dict, path: Path) -> None:
-    """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
-    files.write_text(path, (json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n"))
-
-
-def save_text(text: str, path: Path) -> None:
-    files.write_text(path, text)
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
+def _older(path: Path, n: int) -> Path:
+    return path.with_suffix(f".{n}.pt")
 
 
 def locate(resume: str) -> Path:
     """The checkpoint named by ``resume=``: a checkpoint file, or a run directory holding one."""
     path = Path(resume).expanduser().resolve()
     if path.is_dir():
-        path = path / "checkpoint.pt"
+        path = path / NEWEST
     if not path.is_file():
         raise ConfigError(
-            f"resume={resume}: no checkpoint there; pass a run directory that holds checkpoint.pt, or the file itself"
+            f"resume={resume}: no checkpoint there; pass a run directory that holds {NEWEST}, or the file itself"
         )
     return path
 
 
-class _Unusable(Exception):
-    """Why a checkpoint file cannot be resumed from (the message, without the path)."""
-
-
 def load(path: Path) -> dict:
-    """The checkpoint at ``path``, in the current format, or a ConfigError (one line) saying why not and
-    naming the older checkpoints kept beside it."""
+    """The checkpoint at ``path``, or a one-line ConfigError saying why not (and naming the previous one)."""
     try:
         return _read(path)
-    except _Unusable as why:
-        hint = ""
-        if older := kept_older(path):
-            names = ", ".join(p.name for p in older)
-            hint = f"; older checkpoints there: {names} (resume={older[0]}; resume=auto takes the newest readable one)"
+    except ConfigError as why:
+        older = _older(path, 1)
+        hint = f"; an older checkpoint is {older} (resume=auto falls back to it)" if older.is_file() else ""
         raise ConfigError(f"resume={path}: {why}{hint}") from None
 
 
 def _read(path: Path) -> dict:
     try:
-        with os.fdopen(files.open_regular(path), "rb") as f:  # a FIFO or a device is refused, never waited on
-            try:  # torch.load never checks the zip entries' CRC-32
-                with zipfile.ZipFile(f) as archive:
-                    damaged = archive.testzip()
-            except (zipfile.BadZipFile, EOFError, ValueError) as error:
-                raise _Unusable(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
-            if damaged:
-                raise _Unusable(f"its bytes are not the ones written (checksum of {damaged} wrong): damaged on disk")
-            f.seek(0)
-            state = torch.load(f, map_location="cpu", weights_only=True)
+        with zipfile.ZipFile(path):  # torch.save's container: a truncated or foreign file is said in plain words
+            pass
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except zipfile.BadZipFile as error:
+        raise ConfigError(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
-        raise _Unusable(
-            "it holds Python objects other than tensors and plain values, which mnist_dist never loads "
-            "(not a mnist_dist checkpoint, or a crafted one)"
+        raise ConfigError(
+            "it holds something other than tensors and plain values, which mnist_dist never loads (not a "
+            "mnist_dist checkpoint, or a crafted one)"
         ) from None
-    except _Unusable:
-        raise
-    except Exception as error:  # truncated, not a checkpoint, crafted, unreadable: the same to the user
+    except Exception as error:  # truncated, unreadable: the same to the user
         detail = str(error).splitlines()[0] if str(error) else "no detail"
-        raise _Unusable(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
-    if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} & state.keys():
-        raise _Unusable("not a mnist_dist checkpoint (final weights are in model.pt; resume from checkpoint.pt)")
-    version = state.pop("format", 1)  # the first layout had no format key
-    if version != FORMAT:
-        raise _Unusable(
-            f"checkpoint format {version!r}, but this version of mnist_dist reads format {FORMAT} only; resume it "
-            "with the version that wrote it"
+        raise ConfigError(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
+    if not isinstance(saved, dict) or "step" not in saved:
+        raise ConfigError(f"not a mnist_dist checkpoint (final weights are in model.pt; resume from {NEWEST})")
+    if saved.get("format") != FORMAT:
+        raise ConfigError(
+            f"checkpoint format {saved.get('format')}, but this version of mnist_dist reads format {FORMAT} only; "
+            "resume it with the version that wrote it"
         )
-    wrong = [key for key, kind in _ENTRIES.items() if not isinstance(state.get(key), kind)]
-    if wrong:
-        raise _Unusable(
-            f"the checkpoint lacks or has a wrong {', '.join(wrong)} (damaged, or not written by mnist_dist); "
-            "resume from another checkpoint.pt"
-        )
-    out_of_range = [f"{key}={state[key]}" for key, least in _LEAST.items() if state[key] < least]
-    if out_of_range or state["epoch_step"] > state["step"]:
-        raise _Unusable(
-            f"its position is impossible ({', '.join(out_of_range) or 'epoch_step > step'}; damaged, or not "
-            "written by mnist_dist); resume from another checkpoint.pt"
-        )
-    poisoned = first_non_finite(state["model"])  # saved by a version that did not check before saving
-    if poisoned:
-        raise _Unusable(f"the checkpoint's weights are not finite ({poisoned}): it was saved after training diverged")
-    _usable[_identity(path)] = True
-    return state
-
-
-def kept_older(path: Path) -> list[Path]:
-    """The older checkpoints ``save_kept`` keeps beside ``path``, newest first: ``checkpoint.1.pt``,
-    ``checkpoint.2.pt``, ... for ``checkpoint.pt``; those after it for ``checkpoint.1.pt``."""
-    named = re.fullmatch(r"(.*?)(?:\.(\d+))?\.pt", path.name)
-    if not named:
-        return []
-    base, number = named.group(1), int(named.group(2) or 0)
-    found = []
-    for sibling in path.parent.glob(f"{glob.escape(base)}.*.pt"):
-        older = re.fullmatch(rf"{re.escape(base)}\.(\d+)\.pt", sibling.name)
-        if older and int(older.group(1)) > number and _regular(sibling):
-            found.append((int(older.group(1)), sibling))
-    return [sibling for _, sibling in sorted(found)]
+    return saved
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: the newest one kept in ``run_dir`` that can be resumed from, saying in
-    one line which it skipped; None when there is none, a ConfigError when none can be read. A torchrun
-    restart or a SLURM requeue runs the same command again: refusing would fail every attempt alike."""
-    newest = run_dir / "checkpoint.pt"
-    skipped = []
-    for path in ([newest] if newest.exists() or newest.is_symlink() else []) + kept_older(newest):
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or the newest older one that can be read (saying so in one
+    line); None when there is none, a ConfigError when none can be read. A torchrun restart or a SLURM requeue
+    runs the same command again: refusing would fail every attempt alike."""
+    newest, skipped = run_dir / NEWEST, []
+    for path in [newest, *takewhile(Path.exists, (_older(newest, n) for n in count(1)))]:
+        if not path.exists():
+            continue
         try:
-            if not _regular(path):  # resumed, it would have the run go on in the link's directory, unlocked
-                raise _Unusable("not a file of this run directory (a symbolic link?): resume=auto does not follow it")
-            state = _read(path)
-        except _Unusable as why:
+            step = _read(path)["step"]
+        except ConfigError as why:
             skipped.append(f"{path.name} ({why})")
             continue
         if skipped:
-            log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, state["step"])
+            log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, step)
         return path
     if skipped:
         raise ConfigError(
             f"resume=auto: no checkpoint in {run_dir} can be read: {'; '.join(skipped)}; move them away to start afresh"
         )
     return None
+
+
+@dataclass
+class Losses:
+    """The training losses of this log window, kept on the device (no sync per step), and the newest checkpoint
+    known to be good, which a divergence error names."""
+
+    window: list[torch.Tensor] = field(default_factory=list)
+    good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written, or resumed from
+
+    def check(self, step: int, rank: int) -> torch.Tensor | None:
+        """The window's losses, up to ``step``; TrainingDiverged names the first that is not finite."""
+        return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
+
+    def advice(self) -> str:
+        """What a divergence error says to do."""
+        if self.good_checkpoint is None:
+            return "lower optim.lr or check the data (no checkpoint was written before it)"
+        path, step = self.good_checkpoint
+        return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
+
+
+def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
+    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
+    collective). Never from unchecked weights: the losses since the last check are checked here, and rank 0
+    checks the weights it writes (a step's update can diverge while its loss was finite)."""
+    learner, path = run.learner, run.run_dir / NEWEST
+    run.losses.check(run.step, run.topology.rank)
+    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
+    rng = rng_states_of_all_ranks()
+    meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
+    model_state = state.model_state(learner.model)
+    optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
+    if run.topology.rank == 0:
+        poisoned = first_non_finite(model_state)
+        if poisoned:
+            raise TrainingDiverged(
+                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
+            )
+        saved = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": learner.scheduler.state_dict(),
+            "scaler": learner.precision.scaler.state_dict(),
+            "epoch": epoch,  # epochs completed
+            "epoch_step": epoch_step,  # steps done in the next (0 at an epoch's end)
+            "step": run.step,
+            "rng": rng,  # by rank
+            "meters": meters,  # by rank
+            "world_size": run.topology.world_size,
+            "config": run.config_yaml,
+            "format": FORMAT,
+        }
+        # The older ones shift only behind the newest known good (written, or resumed from): a checkpoint.pt that
+        # resume=auto skipped is replaced, never kept in place of the one the run went on from.
+        shift = run.losses.good_checkpoint is not None and run.losses.good_checkpoint[0] == path
+        save(saved, path, older=run.cfg.keep_checkpoints - 1 if shift else 0)
+    run.losses.good_checkpoint = (path, run.step)
+
+
+def restore(run: Run, resumed: dict) -> None:
+    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``
+    (the model's weights were loaded into the plain model before it was wrapped)."""
+    learner = run.learner
+    state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
+    learner.scheduler.load_state_dict(resumed["scheduler"])
+    learner.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
+    run.start, run.step = (resumed["epoch"] + 1, resumed["epoch_step"]), resumed["step"]
+    restore_rng(resumed["rng"], run.topology.rank)
+    restore_meters(run, resumed["meters"])
+    run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)
+    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.start[0], run.step)
+
+
+def meters_of(run: Run, mid_epoch: bool) -> dict:
+    """What this rank has counted so far, for a resumed run to go on counting: its clocks, its images and
+    seconds, and mid-epoch the losses of the log window a checkpoint splits."""
+    meters = run.meters
+    return {
+        "train_s": meters.train_time.read(),  # mid-epoch it is running
+        "eval_s": meters.eval_time.read(),
+        "images": meters.throughput.total_images,
+        "images_s": meters.throughput.total_seconds,
+        "window_losses": [loss.item() for loss in run.losses.window] if mid_epoch else [],
+    }
+
+
+def restore_meters(run: Run, by_rank: list[dict]) -> None:
+    """A resumed run's clocks go on from rank 0's; each rank's counts and split log window from its own, on
+    as many ranks as the checkpoint's (on another number, each rank's share is another: they start anew)."""
+    meters = run.meters
+    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
+    if len(by_rank) != run.topology.world_size:
+        return
+    mine = by_rank[run.topology.rank]
+    meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
+    device = run.train_set[0].device
+    run.losses.window = [torch.tensor(loss, device=device) for loss in mine["window_losses"]]
+
+
+def gather_objects(mine: Any) -> list:
+    """Every rank's ``mine``, by rank (a collective; ``[mine]`` in one process)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def rng_states_of_all_ranks() -> list[dict]:
+    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank: dropout continues as if
+    never stopped, also on the replicas of dp, which draw their masks on every GPU (a collective)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
+
+
+def restore_rng(states: list[dict], rank: int) -> None:
+    """This rank's generators as ``states[rank]`` left them (resumed on more ranks: the new ones keep their seed)."""
+    if rank >= len(states):
+        return
+    mine = states[rank]
+    random.setstate(mine["python"])
+    torch.set_rng_state(mine["torch"])
+    if mine["cuda"] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(mine["cuda"][: torch.cuda.device_count()])

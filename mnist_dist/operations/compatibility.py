@@ -1,6 +1,6 @@
 """What a resume runs with (``resumed_config``) and whether the checkpoint may resume it, checked in the
-parent before anything is written. The checkpoint's config is read as plain YAML (``_plain``): no
-interpolation, no resolver, no alias, bounded in size.
+parent before anything is written. The checkpoint's config is read as plain YAML (``yaml.safe_load``): no
+interpolation, no resolver.
 """
 
 from __future__ import annotations
@@ -19,23 +19,11 @@ from mnist_dist.config import Config
 from mnist_dist.model import make_scheduler
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations.errors import ConfigError
+from mnist_dist.parallel.state import load_optimizer_state
 
 log = logging.getLogger("mnist_dist")
 
-CONFIG_BYTES = 2**20  # a saved config is about 2 KB; a larger one is not mnist_dist's
-
-
 REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
-
-
-class _PlainYaml(yaml.SafeLoader):
-    """YAML as plain data and without aliases: mnist_dist writes none, and a few hundred bytes of nested
-    aliases expand to billions of nodes (a "billion laughs") in whatever walks the result."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            raise ConfigError(REFUSED.format("uses YAML aliases, which mnist_dist never writes"))
-        return super().compose_node(parent, index)
 
 
 # The key that names a group's class: another class brings its own keys
@@ -43,27 +31,23 @@ GROUPS = {"mode": "name", "model": "_target_", "optim": "_target_", "scheduler":
 
 
 def _plain(state: dict) -> Any:
-    text = state["config"]
-    if len(text.encode()) > CONFIG_BYTES:
-        raise ConfigError(REFUSED.format("is over 1 MiB, far more than mnist_dist writes"))
     try:
-        return yaml.load(text, Loader=_PlainYaml)  # a SafeLoader: plain data only
-    except ConfigError:
-        raise
-    except Exception:  # not YAML, nested too deep: the same to the user as a config of another program
+        return yaml.safe_load(state["config"])  # plain data only
+    except Exception:  # not YAML: the same to the user as a config of another program
         return None
 
 
 def saved_settings(state: dict) -> dict:
     """What the resume check compares, from the checkpoint's config read as plain data: model, batch_size,
-    epochs and the data set's name. Never through OmegaConf, whose interpolations and resolvers
+    epochs, the data set's name and the mode's. Never through OmegaConf, whose interpolations and resolvers
     (``${oc.env:...}``, or mnist_dist's ``unique_dir``, which creates directories) a crafted file would run."""
     saved = _plain(state)
     try:
-        settings = {key: saved[key] for key in ("model", "batch_size", "epochs")} | {"data": saved["data"]["name"]}
+        settings = {key: saved[key] for key in ("model", "batch_size", "epochs")}
+        settings |= {"data": saved["data"]["name"], "mode": saved["mode"]["name"]}
     except Exception:  # not a mapping, a key missing: the same to the user
         settings = {}
-    kinds = {"model": dict, "batch_size": int, "epochs": int, "data": str}
+    kinds = {"model": dict, "batch_size": int, "epochs": int, "data": str, "mode": str}
     if not all(type(settings.get(key)) is kind for key, kind in kinds.items()):  # bool is no batch size
         raise ConfigError(REFUSED.format("is not a mnist_dist config"))
     return settings
@@ -131,7 +115,7 @@ def _tree(leaves: dict[str, Any]) -> dict:
 def check_resumable(state: dict, cfg: Config) -> None:
     """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
     the run could not restore: checked before anything is written, on a config that passed config.validate.
-    Another world size is no change, only said: the global batches, and so the training, are the same."""
+    Another mode or world size is said in one line."""
     saved = saved_settings(state)
     before = _leaves({"model": saved["model"], "batch_size": saved["batch_size"], "data": {"name": saved["data"]}})
     after = _leaves({"model": _container(cfg)["model"], "batch_size": cfg.batch_size, "data": {"name": cfg.data.name}})
@@ -162,9 +146,15 @@ def check_resumable(state: dict, cfg: Config) -> None:
             "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
             "it was trained with"
         )
-    if (ranks := world_size(cfg)) != (written := state["world_size"]):  # launch has set gpus to what runs
-        message = "resuming on %d ranks a checkpoint written on %d: the same global batches follow, split %d ways"
-        log.info(message, ranks, written, ranks)
+    # Another mode or world size is no change, only said: the global batches, and so the training, are the same.
+    ranks, written = world_size(cfg), state["world_size"]  # launch has set gpus to what runs
+    changed = [(f"with mode={cfg.mode.name}", f"with mode={saved['mode']}")] if cfg.mode.name != saved["mode"] else []
+    if ranks != written:
+        changed.append((f"on {ranks} ranks", f"on {written}"))
+    if changed:
+        now, then = (" ".join(said) for said in zip(*changed))
+        split = f", split {ranks} ways" if ranks != written else ""
+        log.info("resuming %s a checkpoint written %s: the same global batches follow%s", now, then, split)
 
 
 def _shown(settings: dict, path: str) -> str:
@@ -198,9 +188,10 @@ def _check_restorable(state: dict, cfg: Config) -> bool:
         model = instantiate(cfg.model)
         model.load_state_dict(state["model"])
         optimizer = instantiate(cfg.optim)(model.parameters())
-        optimizer.load_state_dict(state["optimizer"])
-        # total_steps: any plan; OneCycleLR's state holds the run's own
+        # total_steps: any plan; OneCycleLR's state holds the run's own. Made before the optimizer's state is
+        # loaded, as train does: the saved param_groups hold the initial_lr that a scheduler adds.
         scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, cfg.epochs)
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import resource
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from mnist_dist.metrics import all_gather, cuda_peak_mib, ddp_counters_ms, job_images_per_s
-from mnist_dist.operations import checkpoint, machine
+from mnist_dist.operations import checkpoint, files, machine
 from mnist_dist.operations.console import summary_line
 from mnist_dist.operations.errors import FILE_ONLY
 from mnist_dist.parallel.state import model_state
@@ -57,7 +60,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
     saved_model = model_state(run.learner.model)  # a collective in fsdp
     if topology.rank == 0:
         checkpoint.save(saved_model, run.run_dir / "model.pt")
-        checkpoint.save_json(results, run.run_dir / "results.json")
+        save_json(results, run.run_dir / "results.json")
         run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
         hparams = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
         hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
@@ -78,3 +81,18 @@ def peak_rss_mib() -> float:
 def per_rank(value: float) -> list[float]:
     """Every rank's ``value``, by rank (a collective: all ranks call)."""
     return [value for (value,) in all_gather([value])]
+
+
+def save_json(obj: dict, path: Path) -> None:
+    """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
+    files.write_text(path, json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n")
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value

@@ -1,4 +1,5 @@
-"""A wrapped model's state as the plain model's: what a checkpoint saves and a resume loads, in every mode."""
+"""A wrapped model's state as the plain model's: what a checkpoint saves and a resume loads, in every mode, through
+``torch.distributed.checkpoint.state_dict`` (which gathers FSDP's shards and keys the optimizer's state by name)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,43 @@ from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.ddp import broadcast_from
 
 
+def _dcp():
+    # Imported when a state is taken: a second of start-up that every worker would pay at import otherwise.
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _full():
+    # Gathered on every rank, kept by rank 0 only; on the CPU, so that a GPU needs no room for a full copy and the
+    # file loads where no GPU is.
+    return _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside an outer wrapper, for evaluation without wrapper machinery."""
     return model.module if wrappers.of(model).outer else model
 
 
-def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state_dict the plain model would have: no ``module.`` from a wrapper, outer or inner
-    (dp_block wraps a submodule), so checkpoints load into the bare model class."""
-    model = unwrap(model)
+def _plain_names(model: nn.Module) -> dict[str, str]:
+    """torch's name for each parameter and buffer of ``unwrap(model)`` -> the plain model's. torch drops only its
+    own DDP's ``module.``; a wrapper around a submodule (dp_block) keeps it, so it is dropped here."""
     inner = [f"{name}." for name, m in model.named_modules() if name and wrappers.of(m).outer]
-    state = {}
-    for key, value in model.state_dict().items():
+    names = {}
+    for key in model.state_dict():
+        plain = key
         for prefix in inner:
-            if key.startswith(prefix + "module."):
-                key = prefix + key[len(prefix + "module.") :]
-        state[key] = value
-    return state
+            if plain.startswith(prefix + "module."):
+                plain = prefix + plain[len(prefix + "module.") :]
+        names[key] = plain
+    return names
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict the plain model would have (no ``module.`` from a wrapper, outer or inner), not copied."""
+    model = unwrap(model)
+    names = _plain_names(model)
+    return {names[key]: value for key, value in model.state_dict().items()}
 
 
 def buffers_from_rank0(model: nn.Module) -> None:
@@ -36,49 +57,37 @@ def buffers_from_rank0(model: nn.Module) -> None:
         broadcast_from(list(model.buffers()))
 
 
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Gathered on every rank, kept by rank 0 only; on the CPU, so a GPU needs no room for a full copy.
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's state_dict, copied to the CPU, so that it loads where no GPU is (a collective in fsdp:
-    every rank calls; rank 0's copy is complete)."""
-    if not wrappers.of(model).sharded:
-        return {key: value.detach().to("cpu", copy=True) for key, value in plain_state_dict(model).items()}
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_full_options())
+    """A copy of the plain model's state_dict on the CPU (a collective where a process group exists: every rank
+    calls; rank 0's copy is complete, the others' may be empty)."""
+    model = unwrap(model)
+    names = _plain_names(model)
+    full = _dcp().get_model_state_dict(model, options=_full())
+    # A snapshot: of a model on the CPU torch returns the live tensors themselves.
+    return {names.get(key, key): value.clone() for key, value in full.items()}
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's full state_dict (a collective in fsdp, keyed by parameter name, not by position)."""
-    if not wrappers.of(model).sharded:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=_full_options())
+    """The optimizer's full state_dict, keyed by the plain model's parameter names (so that it loads in any mode),
+    on the CPU (a collective, as ``model_state``)."""
+    model = unwrap(model)
+    return _renamed(_dcp().get_optimizer_state_dict(model, optimizer, options=_full()), _plain_names(model))
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Puts a checkpoint's optimizer state into ``optimizer``: in fsdp each rank keeps its own shard."""
-    if not wrappers.of(model).sharded:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    """Puts ``optimizer_state``'s result into ``optimizer`` (in fsdp each rank keeps its own shard)."""
+    model, dcp = unwrap(model), _dcp()
+    state = _renamed(state, {plain: key for key, plain in _plain_names(model).items()})
+    # torch's full-state loader takes the device from the optimizer's own state; a stateless optimizer (SGD
+    # without momentum) has none, and its state is only hyperparameters: loaded as they are.
+    has_tensors = any(isinstance(v, torch.Tensor) for entry in state["state"].values() for v in entry.values())
+    dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=has_tensors))
 
-    names = [name for name, _ in model.named_parameters()]
-    if any(isinstance(key, int) for key in state["state"]):  # written by another mode: keyed by position
-        state = {
-            "state": {names[key]: value for key, value in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-        }
-    if not any(isinstance(v, torch.Tensor) for entry in state["state"].values() for v in entry.values()):
-        # Nothing to shard (SGD without momentum): torch's loader cannot tell the device and raises, and
-        # the hyperparameters are all there is to restore.
-        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-            group.update({key: value for key, value in saved.items() if key != "params"})
-        return
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+def _renamed(state: dict, names: dict[str, str]) -> dict:
+    if not state:  # a rank other than 0: the full state is gathered to rank 0 only
+        return state
+    return {
+        "state": {names.get(key, key): value for key, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]],
+    }
