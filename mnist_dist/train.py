@@ -114,7 +114,7 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if topology.rank == 0:
         log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
-        files.write_text(run_dir / "config.yaml", config_yaml)  # replaces a planted symlink, never follows it
+        files.write_text(run_dir / "config.yaml", config_yaml)
     device = topology.device  # mnist_dist.topology.setup_process set this process up
     train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)

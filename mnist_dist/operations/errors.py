@@ -17,8 +17,6 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NoReturn
 
-from mnist_dist.operations.files import open_regular
-
 
 class ConfigError(ValueError):
     """A setting that composes but cannot run; the message is one line with the numbers."""
@@ -53,33 +51,16 @@ def last_resort(error: BaseException, log: Path) -> str:
     first = summary.splitlines()[0]  # never empty: the type's name leads
     try:
         if not (log.is_file() and summary in log.read_text(errors="replace")):
-            with append_no_follow(log) as handle:
+            with open(log, "a") as handle:
                 handle.write("".join(traceback.format_exception(error)))
         return f"error: {first} (log: {log})"
     except OSError:  # the log cannot be written either (full disk?): say so rather than fail again
         return f"error: {first} (no log: {log} cannot be written)"
 
 
-def append_no_follow(path: Path | str, encoding: str | None = None, errors: str | None = None):
-    """``open(path, "a")``, except that a symbolic link there is refused (OSError naming it) instead of
-    followed: a link planted in a run directory would have the log appended to any file its owner can write."""
-    try:
-        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW)  # nor a FIFO
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            message = "it is a symbolic link, which mnist_dist does not write through; remove it"
-            raise OSError(errno.ELOOP, message, str(path)) from None
-        raise
-    return open(fd, "a", encoding=encoding, errors=errors)
-
-
-class NoFollowFileHandler(logging.FileHandler):
-    """A FileHandler that refuses a symbolic link (``append_no_follow``) or a FIFO at its path, and fails
-    the run when it cannot write (a full disk) instead of printing "--- Logging error ---" and a traceback
-    on stderr for every record: the OSError names the log."""
-
-    def _open(self):
-        return append_no_follow(self.baseFilename, self.encoding, self.errors)
+class RankLogHandler(logging.FileHandler):
+    """A FileHandler that fails the run when it cannot write (a full disk) instead of printing "--- Logging
+    error ---" and a traceback on stderr for every record: the OSError names the log."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
@@ -107,7 +88,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
-    handlers = [NoFollowFileHandler(run_dir / f"rank_{rank}.log")]  # a planted symlink is refused
+    handlers = [RankLogHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
         console = logging.StreamHandler()
         console.addFilter(lambda record: record.exc_info is None and not getattr(record, "file_only", False))

@@ -109,9 +109,7 @@ def owned(run_dir: Path) -> Iterator[None]:
 def refuse_another_run(run_dir: Path) -> None:
     """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
     checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
-    # A link planted under one of these names is no run's: the fresh run replaces it, never following it.
-    paths = [run_dir / name for name in ("results.json", "model.pt", "checkpoint.pt")]
-    held = [path.name for path in paths if path.is_file() and not path.is_symlink()]
+    held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if (run_dir / name).is_file()]
     if "checkpoint.pt" in held and "results.json" not in held:
         raise ConfigError(
             f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "

@@ -9,7 +9,6 @@ it lists every tag a run writes).
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,6 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
 from mnist_dist.metrics import job_images_per_s
-from mnist_dist.operations import files
 
 # CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
 # global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
@@ -115,25 +113,18 @@ class Scalars:
     def writer(self) -> SummaryWriter | None:
         if self.rank != 0 or self._writer is not None:
             return self._writer
-        files.own_directory(self.directory)  # a planted tb link is refused: its target is never written nor purged
         # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
         old = sorted(self.directory.glob("events.out.tfevents.*"))
-        real = [p for p in old if p.is_file() and not p.is_symlink()]
-        kept = _events_up_to(real, *self.resumed_at) if self.resumed_at else []
+        kept = _events_up_to(old, *self.resumed_at) if self.resumed_at else []
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
-            # Once opened: a link planted at the event file's name was written through; stop there.
-            event_file = Path(self._writer.file_writer.event_writer._file_name)  # torch exposes no other way
-            if event_file.is_symlink():
-                message = "a symbolic link was planted at the event file's name; remove it"
-                raise OSError(errno.ELOOP, message, str(event_file))
             if not kept:
                 self._writer.file_writer.add_summary(custom_scalars_summary())
             for event in kept:  # the layout among them
                 self._writer.file_writer.add_event(event, walltime=event.wall_time)
             self._writer.flush()
         for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
-            path.unlink()  # a link itself, never its target
+            path.unlink()
         return self._writer
 
     @contextmanager

@@ -3,14 +3,12 @@ the root of the failure (from their reports, exit codes and heartbeat slots); th
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
 import signal
-import stat
 import time
 from multiprocessing.connection import wait
 
@@ -86,13 +84,9 @@ def _aborted(workers: list, beats: list, rank: int) -> str:
 
 
 def _log_of(log_path: str | None, rank: int) -> str:
-    """`` (log: <path>)`` if the rank's log is there, a regular file: a rank that failed before opening it, or
-    that refused what it found there (a FIFO, a link), has no log to read."""
+    """`` (log: <path>)`` if the rank's log is there: a rank that failed before opening it has no log to read."""
     path = None if log_path is None else log_path.format(rank=rank)
-    with contextlib.suppress(OSError):
-        if path and stat.S_ISREG(os.lstat(path).st_mode):
-            return f" (log: {path})"
-    return ""
+    return f" (log: {path})" if path and os.path.isfile(path) else ""
 
 
 def _unresponsive(workers: list, beats: list) -> int | None:

@@ -207,7 +207,7 @@ def chart(result: dict, path: Path) -> None:
     axis.set(ylabel="images/s (global, median, min–max)", title="throughput per case")
     axis.tick_params(axis="x", rotation=30)
     figure.tight_layout()
-    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+    with files.atomic(path) as out:
         figure.savefig(out.file, format="png", dpi=110)
     plt.close(figure)
 

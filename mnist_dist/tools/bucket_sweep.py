@@ -127,7 +127,7 @@ def chart(rows: list[dict], path: Path, machine_info: dict, ranks: int) -> None:
     where = machine_info.get("gpu") or machine_info["cpu"]
     figure.suptitle(f"bucket size sweep, {ranks} ranks: {where}, {machine_info['cores']} cores")
     figure.tight_layout()
-    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+    with files.atomic(path) as out:
         figure.savefig(out.file, format="png", dpi=110)
 
 

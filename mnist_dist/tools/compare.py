@@ -181,7 +181,7 @@ def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None
     rounds = len(rows[0]["images_per_s_rounds"])
     speed.set(ylabel="images/s (global)", title=f"throughput: median and min–max of {rounds} rounds")
     figure.tight_layout()
-    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+    with files.atomic(path) as out:
         figure.savefig(out.file, format="png", dpi=110)
     plt.close(figure)
 

@@ -198,7 +198,7 @@ def chart(curves: dict[str, dict[float, float]], targets: list[float], title: st
     ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
-    with files.atomic(path) as out:  # a link planted at the name is replaced, not written through
+    with files.atomic(path) as out:
         fig.savefig(out.file, format="png", dpi=110)
     plt.close(fig)
 
