@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, init_process_group, spawn
+from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, spawn
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 64  # per optimizer step, over all ranks: the same training whatever WORLD_SIZE is
@@ -38,7 +38,7 @@ def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def worker(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)  # ADDED FOR DISTRIBUTED: one core per rank, not all of them each
-    init_process_group("gloo")  # ADDED FOR DISTRIBUTED: spawn set the address, port, rank, size and the job's store
+    dist.init_process_group("gloo")  # ADDED FOR DISTRIBUTED: spawn set the address, port, rank and size
     train_x, train_y = make_data(4096, seed=1)
     test_x, test_y = make_data(1000, seed=2)
     torch.manual_seed(SEED)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)

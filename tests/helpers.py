@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mnist_dist.config import validate
 from mnist_dist.operations.tensorboard import read_scalars, tb_dir
-from mnist_dist.parallel import init_process_group, spawn
+from mnist_dist.parallel import spawn
 from mnist_dist.topology import resolve
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -57,9 +57,9 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    # spawn set the address, rank, world size and the job's private store; a collective that a bug leaves
-    # waiting fails within minutes instead of torch's default half hour
-    init_process_group("gloo", timeout=timedelta(seconds=180))
+    # spawn set the address, port, rank and world size; a collective that a bug leaves waiting fails within
+    # minutes instead of torch's default half hour
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result_{rank}.pt"))
         dist.barrier()

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, init_process_group, spawn
+from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, spawn
 
 
 def worker(rank: int, world_size: int, extra: int, peer_wait_s: float) -> None:
-    init_process_group("gloo")
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(4, 2), peer_wait_s=peer_wait_s)
     for _ in range(3 + (extra if rank == 1 else 0)):

@@ -1,10 +1,12 @@
 """Data parallelism for any ``nn.Module``, usable from your own script with nothing of MNIST or of this
 app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression.py)::
 
-    from mnist_dist.parallel import DistributedDataParallel, init_process_group, spawn
+    import torch.distributed as dist
+
+    from mnist_dist.parallel import DistributedDataParallel, spawn
 
     def worker(rank: int, world_size: int) -> None:
-        init_process_group("gloo")  # spawn set the address, rank, size and the job's private store
+        dist.init_process_group("gloo")  # spawn set the address, port, rank and size
         model = DistributedDataParallel(MyNet())
         ...
 
@@ -27,7 +29,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from mnist_dist.parallel._supervise import WorkerFailed
 from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
-from mnist_dist.parallel.spawn import heartbeat, init_process_group, spawn
+from mnist_dist.parallel.spawn import heartbeat, spawn
 from mnist_dist.parallel.state import buffers_from_rank0, plain_state_dict, unwrap
 
 __all__ = [
@@ -39,7 +41,6 @@ __all__ = [
     "plain_state_dict",
     "buffers_from_rank0",
     "spawn",
-    "init_process_group",
     "heartbeat",
     "WorkerFailed",
 ]

@@ -9,11 +9,9 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -30,9 +28,6 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What every worker of a forkserver job has imported before it starts: torch, and torch._dynamo, which
 # torch.optim imports at the first step. A fresh interpreter pays ~7 s of CPU for the two.
 _PRELOAD = ("torch", "torch._dynamo")
-# Where the job's store is, in each worker's environment: a FileStore in a directory only this user can
-# open. A prefix on the TCPStore was no secret: any local client's list_keys() lists every key there.
-STORE_VARIABLE = "MNIST_DIST_SPAWN_STORE"
 
 _beat: list[Beat] = []  # in a worker: its slot
 
@@ -47,11 +42,10 @@ def spawn(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes and waits for all of them.
 
-    Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK, WORLD_SIZE and
-    the path of the job's own store in its environment: this module's ``init_process_group(backend)`` meets
-    in a FileStore in a directory only this user can open (0700); plain ``dist.init_process_group(backend)``
-    works too, unprotected, through a TCPStore on 127.0.0.1. gloo and NCCL use loopback. ``fn`` and ``args``
-    must be picklable (in a script, call ``spawn`` under ``if __name__ == "__main__":``).
+    Each process has MASTER_ADDR=127.0.0.1, MASTER_PORT (``port``, or a free one if 0), RANK and WORLD_SIZE
+    in its environment: plain ``dist.init_process_group(backend)`` meets in this process's TCPStore, which
+    listens on 127.0.0.1 only; gloo and NCCL use loopback. No port of the job is reachable from the network.
+    ``fn`` and ``args`` must be picklable (in a script, call ``spawn`` under ``if __name__ == "__main__":``).
 
     A worker that fails stops the whole job (pytorch/pytorch#17113): WorkerFailed names the rank at the root
     of it, with its log ``log_path.format(rank=rank)`` if ``fn`` wrote one (without ``log_path`` a failing
@@ -70,8 +64,7 @@ def spawn(
     # One pipe per worker for its failure report (a queue's semaphores would leak if a rank is killed).
     reports, report_ends = zip(*(context.Pipe(duplex=False) for _ in range(world_size)))
     beats = [context.RawValue(Beat) for _ in range(world_size)]
-    private = tempfile.mkdtemp(prefix="mnist_dist_store_")  # 0700: no other user can even look inside
-    env = {**os.environ, STORE_VARIABLE: os.path.join(private, "store")}
+    env = dict(os.environ)
     workers = [
         context.Process(
             target=_worker,
@@ -86,28 +79,6 @@ def spawn(
     finally:
         stop(workers)  # after a failure, or Ctrl-C in the parent: leave no orphans
         del store  # closes the listening socket
-        shutil.rmtree(private, ignore_errors=True)
-
-
-def job_store(timeout: timedelta = timedelta(minutes=5)) -> dist.Store | None:
-    """In a worker of ``spawn``: the job's store, which no other local user can open; None elsewhere."""
-    path = os.environ.get(STORE_VARIABLE)
-    if not path:
-        return None
-    store = dist.FileStore(path, -1)  # -1: the file is not removed by the last worker; spawn removes its directory
-    store.set_timeout(timeout)
-    return store
-
-
-def init_process_group(backend: str, **kwargs) -> None:
-    """``dist.init_process_group(backend, **kwargs)``, in a worker of ``spawn`` through ``job_store``
-    (elsewhere, under torchrun say, exactly the plain call)."""
-    store = job_store(kwargs.get("timeout") or timedelta(minutes=5))
-    if store is None:
-        dist.init_process_group(backend, **kwargs)
-        return
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
 
 
 def heartbeat(phase: str, step: int | None = None) -> None:
