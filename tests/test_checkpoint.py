@@ -19,7 +19,7 @@ from helpers import compose_config
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import _resume, launch
-from mnist_dist.operations import checkpoint, compatibility, results
+from mnist_dist.operations import checkpoint, compatibility, files, results
 from mnist_dist.step import TrainingDiverged
 
 # 640 tiny images at batch 32: 20 steps an epoch
@@ -81,7 +81,7 @@ def test_a_save_that_fails_half_way_leaves_the_last_good_checkpoints(tmp_path, m
     path = tmp_path / "checkpoint.pt"
     for step in (1, 2):
         checkpoint.save({"step": step}, path, older=1)
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode: fault(fd, mode))
+    monkeypatch.setattr(files, "open", fault, raising=False)  # the temp file files.atomic opens
     with pytest.raises(raised):
         checkpoint.save({"step": 3, "weights": torch.zeros(10**6)}, path, older=1)
     monkeypatch.undo()

@@ -18,7 +18,7 @@ from helpers import HANG_S, compose_config, run_ranks, validate_here
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
-from mnist_dist.operations import checkpoint
+from mnist_dist.operations import checkpoint, files
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
@@ -447,7 +447,7 @@ def test_a_checkpoint_save_on_a_full_disk_names_the_path_and_cleans_up(tmp_path,
         def write(self, data):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(fd, mode))
+    monkeypatch.setattr(files, "open", Full, raising=False)  # the temp file files.atomic opens
     with pytest.raises(OSError) as error:
         checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
     monkeypatch.undo()
