@@ -99,8 +99,8 @@ def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_t
     lines = process.communicate(timeout=HANG_S)[1].splitlines()
     ours = f"interrupted; the last complete checkpoint is {tmp_path}/run/checkpoint.pt; go on with: "
     assert [line for line in lines if line.startswith(ours)] == [f"{ours}python -m mnist_dist resume={tmp_path}/run"]
-    # torchrun's agent reports the Ctrl-C after ours, as troubleshooting.md and operations.md say
+    # torchrun's agent reports the Ctrl-C after ours, as troubleshooting.md and running.md say
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
     (quoted,) = re.findall(r"\| `([^`]*SignalException[^`]*)` after a 35-line traceback", troubleshooting)
     assert re.fullmatch(re.escape(quoted).replace("<pid>", r"\d+"), lines[-1]), lines[-12:]
-    assert process.returncode == 1 and "got signal: 2`" in (ROOT / "docs" / "operations.md").read_text()
+    assert process.returncode == 1 and "got signal: 2`" in (ROOT / "docs" / "running.md").read_text()

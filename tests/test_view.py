@@ -1,5 +1,5 @@
 """What a person sees in TensorBoard after a sweep: one run per mode named by its mode first, the
-comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in docs/tensorboard.md."""
+comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in docs/running.md."""
 
 import re
 import subprocess
@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
-TAGS_PAGE = Path(__file__).parent.parent / "docs" / "tensorboard.md"  # the page that lists every tag
+TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
 ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
