@@ -13,19 +13,24 @@ as one process per device: gloo on CPU, NCCL on CUDA (one GPU per rank). It comp
 CPU): the same initial weights, the same global batches (one seeded permutation per epoch, rank r taking
 the r-th part of each batch), per-rank dropout masks, exact sharded evaluation. The whole data set sits
 on the device as one tensor (``--loader`` draws batches through a DataLoader instead: other batches, so
-other numbers). Rank 0 prints one line per epoch, writes ``--checkpoint`` after every epoch and the plain
-model's weights at the end (``--save``, they load into ``mnist_dist.model.ConvNet`` or ``FastNet``). A
-run that finds its checkpoint goes on from it on every rank, exactly: killed and started again (by hand,
-or ``torchrun --max-restarts``), it ends with the weights of an uninterrupted run. Delete the checkpoint
-to start afresh. The default data is Debian's Fashion-MNIST (apt-get install dataset-fashion-mnist):
-nothing is downloaded. The default run (14 epochs, 2 ranks) takes about 19 min on 2 idle CPU cores, 80 s
-an epoch; on 2 shared ones far longer (one epoch took 8 min 21 s at a load average of 6, 2026-12-01).
+other numbers). The default data is Debian's Fashion-MNIST (apt-get install dataset-fashion-mnist):
+nothing is downloaded. For data of your own, rewrite ``load_data``, the one function marked YOUR DATA
+(and the model's first and last layers, if the shapes differ): nothing else reads files.
+
+Rank 0 prints one line per epoch, writes ``--checkpoint`` after every epoch and the plain model's weights
+at the end (``--save``, they load into ``mnist_dist.model.ConvNet`` or ``FastNet``). The checkpoint
+records the settings that shape the run (``SETTINGS``). Started again with the same ones, a run goes on
+from it on every rank, exactly: killed and started again (by hand, or ``torchrun --max-restarts``), it
+ends with the weights of an uninterrupted run; a larger ``--epochs`` trains on; a finished run says so
+and trains nothing. With other settings it refuses, in one line: another ``--checkpoint`` starts afresh.
+Ctrl-C, or a SIGINT to the launcher alone, stops every rank at once and says so in one line (torchrun
+passes it on to the ranks too, and reports it its own way); the checkpoint of the last whole epoch stays.
 
 It imports only the standard library and torch. ``--ddp torch`` (the default) wraps with
 ``torch.nn.parallel.DistributedDataParallel``; ``--ddp ours`` with the one class of ``ddp.py``, our
 hand-written DDP, which must then sit beside this file (copy ``examples/ddp.py`` too): the same numbers
 come out. Every line that a one-process version would not have, or would write otherwise, ends in
-``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" mnist_ddp.py`` lists them, 81 lines
+``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" mnist_ddp.py`` lists them, 97 lines
 (this one included).
 """
 
@@ -34,10 +39,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import signal  # ADDED FOR DISTRIBUTED: Ctrl-C reaches every rank
 import socket  # ADDED FOR DISTRIBUTED: a free port for the launcher
 import struct
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist  # ADDED FOR DISTRIBUTED
@@ -46,9 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # ADDED FOR DISTRIBUTED: the sampler
 
-NORMALIZE = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}  # mean, std of the training images
-FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
+# What shapes a run: a checkpoint resumes only under the same (--epochs may grow, --ddp and --device change).
+SETTINGS = ("dataset", "model", "loader", "batch_size", "lr", "gamma", "seed", "nproc")  # ADDED FOR DISTRIBUTED
 
 
 class ConvNet(nn.Module):
@@ -92,30 +99,25 @@ class FastNet(nn.Module):
 MODELS = {"convnet": ConvNet, "fastnet": FastNet}
 
 
-def idx_path(folder: Path, name: str) -> Path:
-    """The IDX file ``name`` in ``folder``, decompressed or gzipped."""
-    for path in (folder / name, folder / f"{name}.gz"):
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"{folder} holds neither {name} nor {name}.gz")
-
-
-def read_idx(path: Path) -> torch.Tensor:
-    """An IDX file as a uint8 tensor of the shape its header gives."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]  # bytes 0-3: zero, zero, the item type (uint8), the number of dimensions
-    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    return torch.frombuffer(bytearray(data[4 + 4 * ndim :]), dtype=torch.uint8).view(shape)
-
-
-def load(folder: Path, split: str, dataset: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split on ``device``: images float32 [N, 1, 28, 28] normalised, labels int64 [N]."""
-    mean, std = NORMALIZE[dataset]
-    images = read_idx(idx_path(folder, f"{split}-images-idx3-ubyte"))
-    labels = read_idx(idx_path(folder, f"{split}-labels-idx1-ubyte"))
-    # uint8 to the device, then convert there: a quarter of the bytes to copy.
-    return images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std), labels.to(device, torch.int64)
+# YOUR DATA: the one function to rewrite for another data set (the rest takes any tensors it returns).
+def load_data(folder: Path, dataset: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split`` ("train" or "test") on the CPU: images float32 [N, 1, 28, 28] normalised, labels int64 [N].
+    Read from ``folder``'s four IDX files (.gz or not); a missing one raises FileNotFoundError, said in one
+    line before any rank starts."""
+    mean, std = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}[dataset]  # of the training images
+    tensors = []
+    for kind in ("images-idx3", "labels-idx1"):
+        name = f"{'t10k' if split == 'test' else 'train'}-{kind}-ubyte"
+        path = next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"{folder} holds neither {name} nor {name}.gz")
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read()
+        ndim = data[3]  # bytes 0-3: zero, zero, the item type (uint8), the number of dimensions
+        shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+        tensors.append(torch.frombuffer(bytearray(data[4 + 4 * ndim :]), dtype=torch.uint8).view(shape))
+    images, labels = tensors
+    return images.unsqueeze(1).float().div(255).sub_(mean).div_(std), labels.long()
 
 
 def resident_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, epoch: int):
@@ -158,7 +160,36 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def settings(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in SETTINGS}
+
+
+def leave(message: str, code: int) -> NoReturn:
+    """Say ``message`` (on stderr if ``code`` is not 0) and exit with ``code``."""
+    if os.environ.get("RANK", "0") == "0":  # ADDED FOR DISTRIBUTED: torchrun runs this in every rank: say it once
+        print(message, file=sys.stderr if code else sys.stdout, flush=True)
+    sys.exit(code)
+
+
+def check_checkpoint(args: argparse.Namespace) -> None:
+    """Refuse a checkpoint of other settings; stop, saying so, if it holds the whole run."""
+    if not args.checkpoint.exists():
+        return
+    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    if "settings" not in state:
+        leave(f"error: {args.checkpoint} records no settings; another --checkpoint starts afresh", 1)
+    now = settings(args)
+    changed = [f"--{k.replace('_', '-')} {v} (now {now[k]})" for k, v in state["settings"].items() if now[k] != v]
+    if changed:
+        again = "rerun with its settings, or another --checkpoint starts afresh"
+        leave(f"error: {args.checkpoint} is a run with other settings: {', '.join(changed)}; {again}", 1)
+    if state["epoch"] >= args.epochs:
+        leave(f"finished: {args.checkpoint} holds all {state['epoch']} epochs (a larger --epochs goes on)", 0)
+
+
 def train(args: argparse.Namespace) -> None:
+    # Ctrl-C ends a rank at once and silently, even inside a collective; the checkpoint is whole or not there.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # ADDED FOR DISTRIBUTED
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # ADDED FOR DISTRIBUTED
     local_rank = int(os.environ["LOCAL_RANK"])  # ADDED FOR DISTRIBUTED: the device's index on this machine
     device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")  # ADDED FOR DISTRIBUTED
@@ -169,22 +200,22 @@ def train(args: argparse.Namespace) -> None:
         local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])  # ADDED FOR DISTRIBUTED
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))  # ADDED FOR DISTRIBUTED
         dist.init_process_group("gloo")  # ADDED FOR DISTRIBUTED
+    train_x, train_y = load_data(args.data, args.dataset, "train")
+    test_x, test_y = (t.to(device) for t in load_data(args.data, args.dataset, "test"))
     if args.loader:  # a Dataset of your own goes here; the DataLoader draws its batches
-        dataset = TensorDataset(*load(args.data, "train", args.dataset, torch.device("cpu")))
+        dataset = TensorDataset(train_x, train_y)
         sampler = DistributedSampler(dataset, seed=args.seed, drop_last=True)  # ADDED FOR DISTRIBUTED: a share each
         per_rank = args.batch_size // world_size  # ADDED FOR DISTRIBUTED
         loader = DataLoader(dataset, per_rank, sampler=sampler, drop_last=True)  # ADDED FOR DISTRIBUTED
     else:
-        train_x, train_y = load(args.data, "train", args.dataset, device)
-    test_x, test_y = load(args.data, "t10k", args.dataset, device)
+        train_x, train_y = train_x.to(device), train_y.to(device)
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = MODELS[args.model]().to(device)
-    # A restarted job goes on from the last epoch's checkpoint; every rank reads it onto its own device.
-    state = torch.load(args.checkpoint, map_location=device) if args.checkpoint.exists() else None
+    # A restarted job goes on from the last epoch's checkpoint (of these settings: checked before the
+    # ranks started); every rank reads it onto its own device.
+    state = torch.load(args.checkpoint, map_location=device, weights_only=True) if args.checkpoint.exists() else None
     if state is not None:
         model.load_state_dict(state["model"])
-        if len(state["rng"]) != world_size:  # ADDED FOR DISTRIBUTED: one random state a rank
-            sys.exit(f"error: {args.checkpoint} was saved by {len(state['rng'])} ranks")  # ADDED FOR DISTRIBUTED
     if args.ddp == "ours":  # ADDED FOR DISTRIBUTED
         from ddp import DistributedDataParallel  # ADDED FOR DISTRIBUTED: ddp.py beside this file
 
@@ -227,20 +258,21 @@ def train(args: argparse.Namespace) -> None:
             print(f"epoch {epoch}: test loss {test_loss:.4f}, accuracy {100 * accuracy:.2f} %", flush=True)
         rngs = [None] * world_size  # ADDED FOR DISTRIBUTED: every rank's random state, for rank 0 to save
         dist.all_gather_object(rngs, rng_state(device))  # ADDED FOR DISTRIBUTED
+        if rank == 0 and epoch == args.epochs:  # ADDED FOR DISTRIBUTED: before the checkpoint that says finished
+            torch.save(model.module.state_dict(), args.save)  # ADDED FOR DISTRIBUTED: the plain model's, no "module."
         if rank == 0:  # ADDED FOR DISTRIBUTED
             saved = {"model": model.module.state_dict(), "rng": rngs, "epoch": epoch}  # ADDED FOR DISTRIBUTED
             saved |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+            saved["settings"] = settings(args)
             torch.save(saved, f"{args.checkpoint}.tmp")
             os.replace(f"{args.checkpoint}.tmp", args.checkpoint)  # whole or not at all, if killed while saving
 
-    if args.log_losses and losses:  # the steps of this start: none if resumed after the last epoch
+    if args.log_losses and losses:  # the steps of this start
         losses = torch.stack(losses).double()
         dist.all_reduce(losses)  # ADDED FOR DISTRIBUTED: the mean over the ranks
         losses /= world_size  # ADDED FOR DISTRIBUTED
         if rank == 0:  # ADDED FOR DISTRIBUTED
             args.log_losses.write_text("".join(f"{loss!r}\n" for loss in losses.tolist()))
-    if rank == 0:  # ADDED FOR DISTRIBUTED
-        torch.save(model.module.state_dict(), args.save)  # ADDED FOR DISTRIBUTED: the plain model's, no "module."
     dist.barrier()  # ADDED FOR DISTRIBUTED: leave together: gloo may abort a rank whose peer left early
     dist.destroy_process_group()  # ADDED FOR DISTRIBUTED
 
@@ -253,7 +285,7 @@ def spawned(local_rank: int, args: argparse.Namespace) -> None:  # ADDED FOR DIS
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help=f"a folder with the four IDX files (default: {DEBIAN})")
-    parser.add_argument("--dataset", choices=NORMALIZE, default="fashion-mnist", help="sets the normalisation")
+    parser.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="fashion-mnist")
     parser.add_argument("--model", choices=MODELS, default="convnet", help="fastnet: with BatchNorm")
     parser.add_argument("--loader", action="store_true", help="batches from a DataLoader, not resident tensors")
     parser.add_argument("--epochs", type=int, default=14)
@@ -270,9 +302,9 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.data = args.data or DEBIAN
     try:
-        [idx_path(args.data, name) for name in FILES]  # here, once, rather than in every rank
-    except FileNotFoundError as error:
-        parser.error(f"{error}; --data is a folder with {', '.join(FILES)} (.gz or not)")
+        [load_data(args.data, args.dataset, split) for split in ("train", "test")]  # one line, not one a rank
+    except (OSError, ValueError) as error:
+        parser.error(f"--data {args.data}: {error}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if "LOCAL_RANK" in os.environ:  # ADDED FOR DISTRIBUTED: torchrun started this process
@@ -288,17 +320,43 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-if __name__ == "__main__":  # ADDED FOR DISTRIBUTED: the ranks spawn starts import this file, skipping this
+def launch(args: argparse.Namespace) -> None:  # ADDED FOR DISTRIBUTED: what torchrun does, on one machine
+    """Start the ranks, wait: the first to fail ends the rest; a SIGINT stops them all."""  # ADDED FOR DISTRIBUTED
+    # A port the OS picks, not a fixed one a second job finds taken (pytorch#11324).
+    with socket.socket() as s:  # ADDED FOR DISTRIBUTED
+        s.bind(("127.0.0.1", 0))  # ADDED FOR DISTRIBUTED
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))  # ADDED FOR DISTRIBUTED
+    os.environ.update(WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc))  # ADDED FOR DISTRIBUTED
+    ranks = mp.spawn(spawned, (args,), nprocs=args.nproc, join=False)  # ADDED FOR DISTRIBUTED: spawned(rank, args)
+
+    def interrupt(signum: int, frame: object) -> None:  # ADDED FOR DISTRIBUTED: Ctrl-C, or a SIGINT to this process
+        for process in ranks.processes:  # ADDED FOR DISTRIBUTED: a terminal signals them too; kill(1) does not
+            if process.exitcode is None:  # ADDED FOR DISTRIBUTED: not reaped yet, so the pid is still this one
+                os.kill(process.pid, signal.SIGINT)  # ADDED FOR DISTRIBUTED
+        for process in ranks.processes:  # ADDED FOR DISTRIBUTED: all gone before join() looks, none to terminate
+            process.join()  # ADDED FOR DISTRIBUTED
+
+    signal.signal(signal.SIGINT, interrupt)  # ADDED FOR DISTRIBUTED
+    try:  # ADDED FOR DISTRIBUTED
+        while not ranks.join():  # ADDED FOR DISTRIBUTED
+            pass  # ADDED FOR DISTRIBUTED
+    except mp.ProcessExitedException as error:  # ADDED FOR DISTRIBUTED: it printed why, or was killed
+        if error.signal_name == "SIGINT":  # ADDED FOR DISTRIBUTED
+            leave("interrupted: every rank stopped; the checkpoint keeps its last epoch", 130)  # ADDED FOR DISTRIBUTED
+        sys.exit(f"error: {error}")  # ADDED FOR DISTRIBUTED
+
+
+def main() -> None:
     args = parse_args()
+    check_checkpoint(args)
     if "LOCAL_RANK" in os.environ:  # ADDED FOR DISTRIBUTED: torchrun set RANK, WORLD_SIZE and the address
         train(args)  # ADDED FOR DISTRIBUTED
     else:  # ADDED FOR DISTRIBUTED
-        # What torchrun would set: a port the OS picks, not a fixed one a second job finds taken (pytorch#11324).
-        with socket.socket() as s:  # ADDED FOR DISTRIBUTED
-            s.bind(("127.0.0.1", 0))  # ADDED FOR DISTRIBUTED
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))  # ADDED FOR DISTRIBUTED
-        os.environ.update(WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc))  # ADDED FOR DISTRIBUTED
-        try:  # ADDED FOR DISTRIBUTED
-            mp.spawn(spawned, (args,), nprocs=args.nproc)  # ADDED FOR DISTRIBUTED: each calls spawned(rank, args)
-        except mp.ProcessExitedException as error:  # ADDED FOR DISTRIBUTED: it printed why, or was killed
-            sys.exit(f"error: {error}")  # ADDED FOR DISTRIBUTED
+        launch(args)  # ADDED FOR DISTRIBUTED
+
+
+if __name__ == "__main__":  # ADDED FOR DISTRIBUTED: the ranks spawn starts import this file, skipping this
+    try:
+        main()
+    except KeyboardInterrupt:  # before the ranks started: they stop themselves (train's first line)
+        leave("interrupted", 130)

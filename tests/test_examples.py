@@ -104,7 +104,8 @@ def run_example(launcher: list[str], args: list[str], env: dict | None = None) -
     assert result.returncode == 0, result.stderr
     losses = [float(line) for line in (out / "losses.txt").read_text().splitlines()]
     epochs = [tuple(map(float, m.groups())) for m in re.finditer(EPOCH_LINE, result.stdout)]
-    return {"losses": losses, "epochs": epochs, "stdout": result.stdout, "weights": torch.load(out / "model.pt")}
+    weights = torch.load(out / "model.pt")
+    return {"losses": losses, "epochs": epochs, "stdout": result.stdout, "weights": weights, "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +202,125 @@ def test_mnist_ddp_killed_after_an_epoch_resumes_to_the_uninterrupted_weights(to
     assert resumed["losses"] == torch_ddp["spawn"]["losses"][epoch * STEPS // 2 :]
     reference = torch_ddp["spawn"]["weights"]
     assert all(torch.equal(resumed["weights"][k], reference[k]) for k in reference)
+
+
+def rerun_beside(checkpoint: Path, tiny_root: Path, tmp_path: Path, *extra: str, env: dict):
+    """The example run alone with ``extra`` arguments beside a copy of ``checkpoint``."""
+    script = alone(tmp_path / "alone", MNIST_DDP)
+    args = example_args(script, tiny_root, tmp_path / "out", *extra)
+    shutil.copyfile(checkpoint, tmp_path / "out" / "checkpoint.pt")
+    return subprocess.run([*SPAWN, *args], cwd=script.parent, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [("--lr", "0.5"), ("--model", "fastnet"), ("--nproc", "1"), ("--loader",)])
+def test_mnist_ddp_refuses_in_one_line_a_checkpoint_of_other_settings(setting, torch_ddp, tiny_root, no_app, tmp_path):
+    finished = torch_ddp["spawn"]["out"] / "checkpoint.pt"
+    result = rerun_beside(finished, tiny_root, tmp_path, *setting, env=no_app)
+    assert result.returncode == 1 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and setting[0] in result.stderr, result.stderr
+    assert (tmp_path / "out" / "checkpoint.pt").read_bytes() == finished.read_bytes()  # kept as it was
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+@pytest.mark.slow
+def test_mnist_ddp_refuses_in_one_line_a_checkpoint_that_records_no_settings(torch_ddp, tiny_root, no_app, tmp_path):
+    state = torch.load(torch_ddp["spawn"]["out"] / "checkpoint.pt")
+    state.pop("settings", None)  # as an older example or another script wrote it
+    torch.save(state, tmp_path / "foreign.pt")
+    result = rerun_beside(tmp_path / "foreign.pt", tiny_root, tmp_path, env=no_app)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1 and "settings" in result.stderr
+
+
+@pytest.mark.slow
+def test_mnist_ddp_beside_its_finished_checkpoint_says_so_and_trains_nothing(torch_ddp, tiny_root, no_app, tmp_path):
+    result = rerun_beside(torch_ddp["spawn"]["out"] / "checkpoint.pt", tiny_root, tmp_path, env=no_app)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1 and "finished" in result.stdout
+    assert not (tmp_path / "out" / "model.pt").exists() and not (tmp_path / "out" / "losses.txt").exists()
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The processes ``launcher`` spawned as ranks (its children running multiprocessing's spawn_main)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        if parent == launcher and b"spawn_main" in command:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["launcher", "group"])  # a SIGINT to the launcher alone; Ctrl-C in a terminal
+def test_mnist_ddp_interrupted_stops_every_rank_and_says_so_in_one_line(to, tiny_root, no_app, tmp_path):
+    script = alone(tmp_path / "alone", MNIST_DDP)
+    checkpoint = tmp_path / "out" / "checkpoint.pt"
+    command = [*SPAWN, *example_args(script, tiny_root, tmp_path / "out", epochs=10_000)]
+    launcher = subprocess.Popen(
+        command,
+        cwd=script.parent,
+        env=no_app,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a job
+    )
+    ranks = []
+    try:
+        while not checkpoint.exists() and launcher.poll() is None:  # the ranks train
+            time.sleep(0.05)
+        ranks = ranks_of(launcher.pid)
+        assert len(ranks) == 2
+        (os.kill if to == "launcher" else os.killpg)(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=120)
+        survivors = [pid for pid in ranks if running(pid)]
+    finally:
+        for pid in [launcher.pid, *ranks]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert survivors == []
+    assert launcher.returncode == 130 and len(stderr.splitlines()) == 1 and "interrupted" in stderr, stderr
+    assert torch.load(checkpoint)["epoch"] >= 1  # the last whole epoch's, whole
+
+
+YOUR_DATA = '''def load_data(folder, dataset, split):
+    """Not MNIST: noise in which the label is the row that is bright."""
+    generator = torch.Generator().manual_seed(int(split == "train"))
+    labels = torch.randint(10, (640 if split == "train" else 200,), generator=generator)
+    images = torch.randn(len(labels), 1, 28, 28, generator=generator)
+    images[torch.arange(len(labels)), 0, 2 * labels] += 3
+    return images, labels
+'''
+
+
+@pytest.mark.slow
+def test_mnist_ddp_trains_on_other_data_when_its_one_marked_data_function_is_rewritten(no_app, tmp_path):
+    script = alone(tmp_path / "alone", MNIST_DDP)
+    lines = script.read_text().splitlines(keepends=True)
+    marked = [
+        node
+        for node in ast.parse(script.read_text()).body
+        if isinstance(node, ast.FunctionDef) and "YOUR DATA" in lines[node.lineno - 2]
+    ]
+    assert len(marked) == 1, "one function, marked YOUR DATA on the line above it"
+    start, end = marked[0].lineno - 1, marked[0].end_lineno
+    script.write_text("".join(lines[:start]) + YOUR_DATA + "".join(lines[end:]))
+    out = tmp_path / "out"
+    args = example_args(script, tmp_path / "nowhere", out, epochs=2)  # a --data folder that does not exist
+    run = run_example(SPAWN, args, no_app)
+    assert len(run["losses"]) == 20 and run["epochs"][-1][2] > 90
 
 
 def code_lines(path: Path) -> dict[int, str]:
