@@ -1,6 +1,6 @@
 """MNIST / Fashion-MNIST on disk and on the device.
 
-`prepare` runs once in the launching process (docs/data.md): torchvision downloads the four IDX files into its
+`prepare` runs once in the launching process (docs/running.md): torchvision downloads the four IDX files into its
 layout, <root>/<MNIST|FashionMNIST>/raw, and checks their md5s; a local folder (Debian's dataset-fashion-mnist) is
 checked by the md5s of its decompressed files. Workers only call `load_split`, a small IDX reader that needs no
 network (importing torchvision would cost every worker seconds).

@@ -135,7 +135,7 @@ class StepTimer:
     """Splits the steps passed ``sample=True`` into phases, on the clock of ``devices``; on CUDA the stamps are
     read once the step has ended. The trainer ends ``data``; the rest is read from outside the step, so that
     its code knows nothing of timing: optimizer hooks end forward and backward (fp16's unscale included) and
-    the optimizer, and our DDP's clock says how much of backward was ``comm_wait`` (docs/tensorboard.md)."""
+    the optimizer, and our DDP's clock says how much of backward was ``comm_wait`` (docs/running.md)."""
 
     PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
 

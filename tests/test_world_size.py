@@ -79,7 +79,7 @@ def _resumed(tiny_root, two_ranks, *overrides) -> tuple:
 
 @pytest.mark.slow
 def test_the_same_job_gives_the_same_curve_on_1_to_4_ranks(tmp_path):
-    """The reproducibility matrix of docs/reproducibility.md: the largest difference from single's curve."""
+    """The largest difference from single's curve."""
     # 13 runs: 312 images (6 global batches, 24 dropped) keep two epochs, each in its own order, short
     root = tmp_path / "data"
     write_idx(root / "MNIST" / "raw", n_train=312, n_test=50)

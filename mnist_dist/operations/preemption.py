@@ -1,5 +1,5 @@
 """Stopping on a scheduler's warning (SIGUSR1 before the time limit, SIGTERM on preemption) under srun:
-write a checkpoint and exit ``REQUEUE``, so that the requeued job goes on (docs/operations.md).
+write a checkpoint and exit ``REQUEUE``, so that the requeued job goes on (docs/running.md).
 
 Before the first step there is nothing new to save: the job stops at once. From then on each rank votes
 after every step on whether any rank got a signal (so every rank stops after the same step, even if the
