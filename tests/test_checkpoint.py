@@ -1,4 +1,4 @@
-"""What a checkpoint guarantees (docs/troubleshooting.md, "What is guaranteed"): it cannot run code and its config is read without resolving
+"""What a checkpoint guarantees (docs/troubleshooting.md): it cannot run code and its config is read without resolving
 anything; no fault leaves the last good checkpoint unreadable, none holds weights that are not finite, and
 resume=auto gets past an unreadable newest one. Also: a schedule is never resumed past its plan."""
 

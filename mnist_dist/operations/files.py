@@ -1,4 +1,4 @@
-"""The one atomic write that every file written whole goes through (docs/troubleshooting.md, "What is guaranteed"): a temp file beside
+"""The one atomic write that every file written whole goes through (docs/troubleshooting.md): a temp file beside
 the target, fsync, ``os.replace``.
 """
 

@@ -13,7 +13,8 @@ app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression
     if __name__ == "__main__":
         spawn(worker, 2)
 
-``ddp`` imports only torch: copy it beside your script (examples/ddp.py is it); the app applies its modes with them in ``mnist_dist/modes.py``.
+``ddp`` imports only torch: copy it beside your script (examples/ddp.py is it); the app applies its modes
+with them in ``mnist_dist/modes.py``.
 """
 
 from __future__ import annotations
