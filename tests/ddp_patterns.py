@@ -195,6 +195,34 @@ def unfreeze_after_wrap(rank, world_size, wrap):
 
 
 @pattern
+def small_bucket_caps(rank, world_size, wrap):
+    # 100 floats a bucket: the 16x16 weight alone, the rest in threes and twos; rebuilt from rank 0's order
+    return train(wrap(mlp(), bucket_cap_mb=400 / 2**20), rank, world_size, steps=STEPS + 1)
+
+
+@pattern
+def late_freezing_and_unfreezing(rank, world_size, wrap):
+    model = wrap(mlp(), find_unused_parameters=True, bucket_cap_mb=400 / 2**20)
+    opt = optimizer(model)
+    for step in range(STEPS + 2):
+        model.module[0].requires_grad_(step not in (2, 3))  # frozen after the buckets were rebuilt, then back
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def non_contiguous_parameters(rank, world_size, wrap):
+    net = mlp()
+    for layer in (net[0], net[2]):  # transposed storage: dense, but not in row-major order
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
+    net[4].weight = nn.Parameter(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))[::2])  # strided
+    return train(wrap(net, bucket_cap_mb=600 / 2**20), rank, world_size)
+
+
+@pattern
 def frozen_at_wrap(rank, world_size, wrap):
     net = mlp()
     net[0].requires_grad_(False)  # a frozen backbone
