@@ -308,6 +308,22 @@ def unused_on_some_ranks(rank, world_size, wrap):
     return train(model, rank, world_size, forward=lambda x: model(x, use_spare=rank == 1))
 
 
+@pattern
+def no_sync_on_another_branch(rank, world_size, wrap):
+    # torch's test_grads_same_across_ranks_with_no_sync: a head used only in no_sync() is still averaged
+    model = wrap(Heads(), find_unused_parameters=True)
+    opt = optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        half = len(x) // 2
+        with model.no_sync():
+            F.mse_loss(model(x[:half], use_spare=True), y[:half]).backward()
+        F.mse_loss(model(x[half:]), y[half:]).backward()
+        opt.step()
+    return params(model)
+
+
 def bn_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))

@@ -265,7 +265,8 @@ def torch_signature(rank, world_size):
 def test_torch_ddp_constructor_in_its_order_and_what_is_not_supported_refused_by_name(ranks):
     for said in ranks("signature"):
         assert said["positional"] == (False, True)  # broadcast_buffers=False, process_group: 5th and 7th
-        assert said["device_ids on cpu"].startswith("ValueError: device_ids and output_device")  # as torch's
+        assert said["device_ids on cpu"].startswith("ValueError: device_ids")  # as torch's, on a CPU module
+        assert "output_device are for a module on one GPU" in said["device_ids on cpu"]
         for name in ("static_graph", "mixed_precision", "device_mesh"):
             assert said[name].startswith(f"NotImplementedError: {name}: not supported")
 

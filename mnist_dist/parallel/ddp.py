@@ -4,8 +4,8 @@
     loss_fn(model(x), y).backward()                     # .grad now holds the average over the ranks
     optimizer.step()
 
-It issues the collectives of torch's C++ reducer on the same buckets, so the two compute the same bits. The design,
-and where it differs from torch DDP on purpose: docs/ddp.md in mnist_dist; ddp_extras.py adds join() and more.
+It issues the collectives of torch's C++ reducer on the same buckets: the two compute the same bits. Its design and
+where it differs from torch DDP: docs/ddp.md in mnist_dist; ddp_extras.py adds join() and more.
 """
 
 import math
@@ -23,28 +23,20 @@ from torch.profiler import record_function
 
 @torch.no_grad()
 def broadcast_from(tensors: list[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank takes the ``tensors`` of rank ``src`` of ``group`` (a collective); one broadcast per device and
-    dtype, flattened: a BatchNorm net's many small buffers cost one latency."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for same in groups.values():
+    """Rank ``src``'s ``tensors`` to all (a collective), one broadcast per device and dtype: one latency for many."""
+    for key in dict.fromkeys((tensor.device, tensor.dtype) for tensor in tensors):  # in order: the same on all ranks
+        same = [tensor for tensor in tensors if (tensor.device, tensor.dtype) == key]
         flat = torch.cat([tensor.reshape(-1) for tensor in same])
         dist.broadcast(flat, group=group, group_src=src)
         for tensor, part in zip(same, flat.split([tensor.numel() for tensor in same])):
             tensor.copy_(part.view_as(tensor))
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Non-overlapping and dense in some order of its dimensions (contiguous, channels_last, transposed, ...)."""
-    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
-    return all(stride == math.prod(size for _, size in dims[:k]) for k, (stride, _) in enumerate(dims))
-
-
 def _view(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
-    # The parameter's own layout, as torch's bucket views: each element sits where it sits in torch's bucket, so
-    # gloo's ring adds up each element in the same order (at 3 ranks and more, another order is other bits).
-    if _dense(param):
+    # The parameter's own layout where it is dense in some order of its dimensions, as torch's bucket views: each
+    # element sits where torch's sits, so gloo adds up each in the same order (at 3 ranks, another order is other bits)
+    dims = sorted((stride, size) for size, stride in zip(param.shape, param.stride()) if size != 1)
+    if all(stride == math.prod(size for _, size in dims[:k]) for k, (stride, _) in enumerate(dims)):
         return flat.as_strided(param.shape, param.stride(), offset)
     return flat[offset : offset + param.numel()].view(param.shape)
 
@@ -86,8 +78,7 @@ class Bucket:
 def assign(order: list[int], params: list[torch.Tensor], caps: list[int]) -> list[list[int]]:
     """torch's compute_bucket_assignment_by_size: per dtype and device, parameters in ``order`` fill a bucket
     until it holds at least its cap in bytes (``caps`` in turn, the last repeating); buckets in closing order."""
-    buckets: list[list[int]] = []
-    open_: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, which cap)
+    buckets, open_ = [], {}  # open_: (dtype, device) -> (indices, bytes, which cap)
     for i in order:
         key = (params[i].dtype, params[i].device)
         indices, size, cap = open_.get(key, ([], 0, 0))
@@ -99,14 +90,15 @@ def assign(order: list[int], params: list[torch.Tensor], caps: list[int]) -> lis
     return buckets + [indices for indices, _, _ in open_.values() if indices]
 
 
-# torch DDP's arguments this one refuses when given (not None or False)
 UNSUPPORTED = ["static_graph", "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision"]
 UNSUPPORTED += ["device_mesh", "skip_all_reduce_unused_params", "bucket_cap_mb_list", "batched_grad_copy"]
 
 
 class DistributedDataParallel(nn.Module):
     """Averages gradients across ``process_group`` with bucketed all-reduce, overlapped with backward; torch DDP's
-    arguments, in its order, what this one does not do refused by name."""
+    arguments, in its order, those in UNSUPPORTED refused when given (not None or False)."""
+
+    bucket_type = Bucket
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
@@ -118,39 +110,39 @@ class DistributedDataParallel(nn.Module):
         arguments = locals()
         if refused := [name for name in UNSUPPORTED if arguments[name] not in (None, False)]:
             raise NotImplementedError(f"{', '.join(refused)}: not supported here; use torch's DistributedDataParallel")
-        embeddings = [(n, m) for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-        if sparse := [f"{n}." if n else "" for n, m in embeddings if m.sparse and m.weight.requires_grad]:
-            raise ValueError(
-                f"{sparse[0]}weight gets sparse gradients, which this DistributedDataParallel does not average; "
-                "construct it with sparse=False, or use torch's DistributedDataParallel"
-            )
+        if sparse := [n for n, m in module.named_modules() if getattr(m, "sparse", False) and m.weight.requires_grad]:
+            name = f"{sparse[0]}.weight".lstrip(".")
+            raise ValueError(f"{name} gets sparse gradients, which this DistributedDataParallel does not average; "
+                             "construct it with sparse=False, or use torch's DistributedDataParallel")  # fmt: skip
         devices = {p.device for p in module.parameters()}
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element")
-        if (device_ids or output_device is not None) and (len(devices) != 1 or {d.type for d in devices} == {"cpu"}):
-            raise ValueError(f"device_ids and output_device are for a module on one GPU; its parameters: {devices}")
-        self.device_ids = [torch.device(devices.pop().type, d).index for d in device_ids] if device_ids else None
+        on_one_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu" and len(device_ids or []) <= 1
+        if (device_ids or output_device is not None) and not on_one_gpu:
+            raise ValueError(f"device_ids (one at most) and output_device are for a module on one GPU, not {devices}")
+        self.device_ids = [torch.device("cuda", d).index for d in device_ids] if device_ids else None
         self.module, self.find_unused_parameters = module, find_unused_parameters
         self.process_group = process_group or dist.group.WORLD
-        forward_sync = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
-        self.forward_sync_buffers = forward_sync is not False  # None: torch's default, True
+        sync_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        self.forward_sync_buffers = sync_buffers is not False  # None: torch's default, True
         self.gradient_as_bucket_view, self.world_size = gradient_as_bucket_view, dist.get_world_size(process_group)
-        cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)  # torch's default: 25 MiB, the first 1
-        self._caps = [2**20, cap] if bucket_cap_mb is None else [cap]
-        named = list(module.named_parameters())
-        self._names, self._params = [n for n, _ in named], [p for _, p in named]
-        buffers = list(module.buffers())
-        self._device = ([*self._params, *buffers] or [torch.empty(0)])[0].device
+        self._caps = [2**20, 25 * 2**20] if bucket_cap_mb is None else [int(bucket_cap_mb * 2**20)]  # torch's default
+        self._names, self._params = [list(column) for column in zip(*module.named_parameters())] or ([], [])
+        if not any(p.requires_grad for p in self._params):  # as torch's: nothing to average
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               "that requires a gradient")  # fmt: skip
+        self._device, buffers = self._params[0].device, list(module.buffers())
         # no_sync()'s switch; as torch DDP, forward decides if its backward syncs and the next forward syncs buffers
         self._sync_enabled = self._sync_this_backward = self._sync_buffers_next_forward = True
-        self._scale = 1.0 / self.world_size
-        self._rebuilt = find_unused_parameters  # buckets cut from rank 0's arrival order (torch keeps the first)
+        self._scale, self._rebuilt = 1.0 / self.world_size, find_unused_parameters
         self._buckets, self._bucket_of, self._hooked = [], {}, set()
-        # This backward: its parameters in hook order, the first bucket not launched, its end queued.
-        self._arrived, self._next_bucket, self._end_queued = {}, 0, False
-        self._backwards = 0  # synchronised backward passes finished, for messages
-        if init_sync:
-            self._verify_shapes()
+        # This backward: arrivals in hook order, next bucket, end queued; used since the last sync (local_used_map)
+        self._arrived, self._next_bucket, self._end_queued, self._used = {}, 0, False, set()
+        if init_sync:  # as torch's: parameters whose shapes differ across ranks would average the wrong elements
+            shapes = [(n, tuple(p.shape)) for n, p in zip(self._names, self._params)]
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, shapes, group=self.process_group)
+            for rank, theirs in enumerate(everyone):
+                if diff := next(((a, b) for a, b in zip([*theirs, None], [*everyone[0], None]) if a != b), None):
+                    raise RuntimeError(f"DDP expects same model across all ranks; rank {rank}: {diff[0]}, 0: {diff[1]}")
             init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False  # torch's rule
             broadcast_from([*self._params, *(buffers if init_buffers else [])], 0, process_group)
 
@@ -160,8 +152,7 @@ class DistributedDataParallel(nn.Module):
         sync = grad_enabled and self._sync_enabled
         self._before_module(sync)
         self._sync_buffers_next_forward = sync
-        if grad_enabled:
-            self._sync_this_backward = self._sync_enabled
+        self._sync_this_backward = self._sync_enabled if grad_enabled else self._sync_this_backward
         if self.device_ids:  # as torch's: tensor inputs go to the module's GPU
             args = [a.to(self._device) if isinstance(a, torch.Tensor) else a for a in args]
             kwargs = {k: v.to(self._device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -181,28 +172,15 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
-    def _verify_shapes(self) -> None:
-        # As torch DDP at wrap time: parameters that differ across ranks would average the wrong elements.
-        shapes = [(name, tuple(p.shape)) for name, p in zip(self._names, self._params)]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, shapes, group=self.process_group)
-        for rank, theirs in enumerate(everyone):
-            if diff := next(((a, b) for a, b in zip([*theirs, None], [*everyone[0], None]) if a != b), None):
-                raise RuntimeError(
-                    f"DDP expects same model across all ranks, but rank {rank} has {diff[0]}, rank 0 {diff[1]}"
-                )
-
     def _ensure_plan(self) -> None:
-        # At the first forward, and again when a parameter in no bucket was unfrozen (torch DDP would never
-        # average it); one frozen later keeps its place and sends zeros, as torch's unused ones do.
+        # At the first forward, and when one in no bucket was unfrozen; one frozen later keeps its place (zeros)
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         if all(i in self._bucket_of for i in trainable):
             return
         for i in set(trainable) - self._hooked:  # not at wrap time: a frozen one takes no hook
             self._params[i].register_post_accumulate_grad_hook(partial(self._on_gradient, i))
         self._hooked.update(trainable)
-        # torch's first layout: one bucket per dtype until the order is known; with find_unused_parameters the
-        # caps, kept for good. Buckets sorted by first parameter, reversed.
+        # torch's first layout, buckets by first parameter reversed: one per dtype (find_unused_parameters: capped)
         caps = self._caps if self.find_unused_parameters else [2**62]
         self._plan(sorted(assign(trainable, self._params, caps), key=min, reverse=True))
         self._rebuilt = self.find_unused_parameters
@@ -212,26 +190,22 @@ class DistributedDataParallel(nn.Module):
         # then what it never saw in reverse registration order.
         agreed = [list(self._arrived)]
         dist.broadcast_object_list(agreed, group=self.process_group, group_src=0)
-        order = agreed[0]
-        order += [i for i, p in reversed(list(enumerate(self._params))) if p.requires_grad and i not in order]
-        self._plan(assign(order, self._params, self._caps))
+        rest = [i for i, p in reversed(list(enumerate(self._params))) if p.requires_grad and i not in agreed[0]]
+        self._plan(assign(agreed[0] + rest, self._params, self._caps))
         self._rebuilt = True
 
     def _plan(self, groups: list[list[int]]) -> None:
-        self._buckets = [self._bucket(g) for g in groups]
+        self._buckets = [self.bucket_type(g, self._params) for g in groups]
         self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
 
-    def _bucket(self, indices: list[int]) -> Bucket:
-        return Bucket(indices, self._params)
-
     def _queue_end_of_backward(self) -> None:
-        # No public API runs code when a backward ends: as torch DDP and FSDP, a callback on the autograd
-        # engine, run after the current graph task's last gradient (docs/ddp.md: why from the outputs).
+        # No public API runs code when a backward ends: as torch DDP and FSDP, the autograd engine's callback.
         if not self._end_queued:
             self._end_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:
+        self._used.add(index)
         if not self._sync_this_backward:
             return
         self._queue_end_of_backward()
@@ -261,35 +235,31 @@ class DistributedDataParallel(nn.Module):
         if not self._arrived:  # e.g. autograd.grad() through the outputs: no .grad was written
             return
         try:
-            missing = [
-                self._names[i] for i in self._bucket_of if i not in self._arrived and self._params[i].requires_grad
-            ]
+            trained = [i for i in self._bucket_of if self._params[i].requires_grad]
+            missing = [self._names[i] for i in trained if i not in self._arrived]
             if missing and not self.find_unused_parameters:
                 raise RuntimeError(
                     f"parameters that require grad got no gradient in this backward: {', '.join(missing)}. "
                     "Use them in forward, set requires_grad=False, or pass find_unused_parameters=True."
                 )
             self._launch_ready_buckets(everything=True)
-            used = self._used_anywhere(list(self._arrived)) if self.find_unused_parameters else None
+            used = None
+            if self.find_unused_parameters:  # after every bucket, so that all ranks issue collectives in one order
+                counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._device)
+                counts[list(self._used)] = 1
+                self._wait(dist.all_reduce(counts, group=self.process_group, async_op=True))
+                used = [bool(count) for count in counts.tolist()]
             with record_function("DistributedDataParallel.wait"), torch.no_grad():
                 for bucket in self._buckets:
                     self._wait(bucket.work)
                 for bucket in self._buckets:
                     bucket.write_back(self._params, used, self.gradient_as_bucket_view)
-            self._backwards += 1
             if not self._rebuilt:
                 self._rebuild()
         finally:
             for bucket in self._buckets:
                 bucket.pending, bucket.work = len(bucket.indices), None
-            self._arrived, self._next_bucket = {}, 0
-
-    def _used_anywhere(self, arrived: list[int]) -> list[bool]:
-        # After every bucket, so that all ranks issue their collectives in the same order.
-        counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._device)
-        counts[arrived] = 1
-        self._wait(dist.all_reduce(counts, group=self.process_group, async_op=True))
-        return [bool(count) for count in counts.tolist()]
+            self._arrived, self._next_bucket, self._used = {}, 0, set()
 
     def _wait(self, work: dist.Work) -> None:
         work.wait()
@@ -302,7 +272,6 @@ class DistributedDataParallel(nn.Module):
 
 
 def _tensors(output) -> list[torch.Tensor]:
-    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
     if isinstance(output, torch.Tensor):
         return [output]
     items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else []

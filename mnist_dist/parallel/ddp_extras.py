@@ -19,19 +19,25 @@ from mnist_dist.parallel.ddp import broadcast_from
 
 
 class CompressedBucket(ddp.Bucket):
-    """Every rank's bf16 copy gathered and added up in fp32 (an all-reduce would add in bf16)."""
+    """An fp32 bucket's bf16 copies from every rank gathered and added up in fp32 (an all-reduce would add in bf16);
+    other dtypes as ddp.Bucket."""
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], world_size: int) -> None:
+    def __init__(self, indices: list[int], params: list[torch.Tensor]) -> None:
         super().__init__(indices, params)
-        self.wire = [self.buffer.new_empty(self.buffer.numel(), dtype=torch.bfloat16) for _ in range(world_size)]
+        self.wire: list[torch.Tensor] = []
 
     def start(self, group: dist.ProcessGroup) -> dist.Work:
+        if self.buffer.dtype != torch.float32:
+            return super().start(group)
+        if not self.wire:
+            self.wire = [self.buffer.new_empty(self.buffer.numel(), dtype=torch.bfloat16) for _ in range(group.size())]
         mine = self.wire[dist.get_rank(group)]
         mine.copy_(self.buffer)
         return dist.all_gather(self.wire, mine, group=group, async_op=True)
 
     def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
-        torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
+        if self.wire:
+            torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
         super().write_back(params, used, as_view)
 
 
@@ -43,7 +49,8 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
     ) -> None:
         super().__init__(module, *args, **kwargs)
         Joinable.__init__(self)
-        self.overlap, self.compress_bf16 = overlap, compress_bf16
+        self.overlap, self.compress_bf16, self._backwards = overlap, compress_bf16, 0
+        self.bucket_type = CompressedBucket if compress_bf16 else ddp.Bucket
         # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
         self._peer_wait = timedelta(seconds=peer_wait_s if dist.get_backend(self.process_group) == "gloo" else 0)
         self._divide_by_initial_world_size = True
@@ -68,11 +75,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
         if first and fp16 and dist.get_backend(self.process_group) == "gloo":  # once: not again at the rebuild
             warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
 
-    def _bucket(self, indices: list[int]) -> ddp.Bucket:
-        if self.compress_bf16 and self._params[indices[0]].dtype == torch.float32:
-            return CompressedBucket(indices, self._params, self.world_size)
-        return super()._bucket(indices)
-
     def forward(self, *args, **kwargs):
         ranks_in = Join.notify_join_context(self)  # None outside join()
         output = super().forward(*args, **kwargs)
@@ -80,6 +82,11 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
             ranks_in.wait()
             self._scale = 1.0 / ranks_in.result()[0].item()
         return output
+
+    def _end_of_backward(self) -> None:
+        synced = bool(self._arrived)
+        super()._end_of_backward()
+        self._backwards += synced  # finished, for the peer wait's message
 
     def _before_module(self, sync: bool) -> None:
         self._scale = 1.0 / self.world_size
@@ -142,8 +149,10 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
         for bucket in self._buckets:
             bucket.buffer.zero_()
             bucket.start(self.process_group).wait()
-        if self.find_unused_parameters:
-            self._used_anywhere([])
+        if self.find_unused_parameters:  # the others' count of the parameters used anywhere; none here
+            dist.all_reduce(
+                torch.zeros(len(self._params), dtype=torch.int32, device=self._device), group=self.process_group
+            )
         if not self._rebuilt:
             self._rebuild()
 
