@@ -40,6 +40,12 @@ OUT_OF_SCOPE = {
 Base = distributed_test.DistributedTest._DistTestBase
 
 
+@pytest.fixture(autouse=True)
+def restore_torch_flags():
+    """conftest.py's, off here: torch's test case freezes the cuDNN flags that fixture restores."""
+    yield
+
+
 def _suite(name: str, swap: bool) -> type:
     """A TestCase of torch's that holds only the chosen tests; ``swap``: ours stands in for torch's DDP."""
 

@@ -51,7 +51,6 @@ class Bucket:
         self.views = [_view(self.buffer, params[i], o) for i, o in zip(indices, accumulate(sizes, initial=0))]
 
     def send(self, params: list[torch.Tensor], scale: float, group: dist.ProcessGroup) -> None:
-        """This rank's gradients times ``scale`` into the bucket, and the sum over the ranks started."""
         for i, view in zip(self.indices, self.views):
             grad = params[i].grad
             if grad is None:  # unused here, or left undefined by autograd: contribute zeros
@@ -76,8 +75,7 @@ class Bucket:
 
 
 def assign(order: list[int], params: list[torch.Tensor], caps: list[int]) -> list[list[int]]:
-    """torch's compute_bucket_assignment_by_size: per dtype and device, parameters in ``order`` fill a bucket
-    until it holds at least its cap in bytes (``caps`` in turn, the last repeating); buckets in closing order."""
+    """torch's compute_bucket_assignment_by_size: per dtype and device, ``order`` fills buckets to ``caps`` in turn."""
     buckets, open_ = [], {}  # open_: (dtype, device) -> (indices, bytes, which cap)
     for i in order:
         key = (params[i].dtype, params[i].device)
@@ -97,8 +95,6 @@ UNSUPPORTED += ["device_mesh", "skip_all_reduce_unused_params", "bucket_cap_mb_l
 class DistributedDataParallel(nn.Module):
     """Averages gradients across ``process_group`` with bucketed all-reduce, overlapped with backward; torch DDP's
     arguments, in its order, those in UNSUPPORTED refused when given (not None or False)."""
-
-    bucket_type = Bucket
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
@@ -133,7 +129,7 @@ class DistributedDataParallel(nn.Module):
         # no_sync()'s switch; as torch DDP, forward decides if its backward syncs and the next forward syncs buffers
         self._sync_enabled = self._sync_this_backward = self._sync_buffers_next_forward = True
         self._scale, self._rebuilt = 1.0 / self.world_size, find_unused_parameters
-        self._buckets, self._bucket_of, self._hooked = [], {}, set()
+        self._buckets, self._bucket_of, self._hooked, self.bucket_type = [], {}, set(), Bucket
         # This backward: arrivals in hook order, next bucket, end queued; used since the last sync (local_used_map)
         self._arrived, self._next_bucket, self._end_queued, self._used = {}, 0, False, set()
         if init_sync:  # as torch's: parameters whose shapes differ across ranks would average the wrong elements
@@ -145,6 +141,13 @@ class DistributedDataParallel(nn.Module):
                     raise RuntimeError(f"DDP expects same model across all ranks; rank {rank}: {diff[0]}, 0: {diff[1]}")
             init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False  # torch's rule
             broadcast_from([*self._params, *(buffers if init_buffers else [])], 0, process_group)
+
+    def __getstate__(self) -> dict:  # as torch DDP's: a process group does not pickle (torch.save, deepcopy)
+        return {key: value for key, value in self.__dict__.items() if key != "process_group"}
+
+    def __setstate__(self, state: dict) -> None:  # a copy's parameters have no hooks yet: planned afresh
+        super().__setstate__(state)
+        self.process_group, self._buckets, self._bucket_of, self._hooked = dist.group.WORLD, [], {}, set()
 
     def forward(self, *args, **kwargs):
         self._ensure_plan()
@@ -165,7 +168,6 @@ class DistributedDataParallel(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forward and backward inside this block only accumulate local gradients."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
