@@ -195,6 +195,34 @@ def unfreeze_after_wrap(rank, world_size, wrap):
 
 
 @pattern
+def small_bucket_caps(rank, world_size, wrap):
+    # 100 floats a bucket: the 16x16 weight alone, the rest in threes and twos; rebuilt from rank 0's order
+    return train(wrap(mlp(), bucket_cap_mb=400 / 2**20), rank, world_size, steps=STEPS + 1)
+
+
+@pattern
+def late_freezing_and_unfreezing(rank, world_size, wrap):
+    model = wrap(mlp(), find_unused_parameters=True, bucket_cap_mb=400 / 2**20)
+    opt = optimizer(model)
+    for step in range(STEPS + 2):
+        model.module[0].requires_grad_(step not in (2, 3))  # frozen after the buckets were rebuilt, then back
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return params(model)
+
+
+@pattern
+def non_contiguous_parameters(rank, world_size, wrap):
+    net = mlp()
+    for layer in (net[0], net[2]):  # transposed storage: dense, but not in row-major order
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
+    net[4].weight = nn.Parameter(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))[::2])  # strided
+    return train(wrap(net, bucket_cap_mb=600 / 2**20), rank, world_size)
+
+
+@pattern
 def frozen_at_wrap(rank, world_size, wrap):
     net = mlp()
     net[0].requires_grad_(False)  # a frozen backbone
@@ -278,6 +306,22 @@ def unused_on_every_rank(rank, world_size, wrap):
 def unused_on_some_ranks(rank, world_size, wrap):
     model = wrap(Heads(), find_unused_parameters=True)
     return train(model, rank, world_size, forward=lambda x: model(x, use_spare=rank == 1))
+
+
+@pattern
+def no_sync_on_another_branch(rank, world_size, wrap):
+    # torch's test_grads_same_across_ranks_with_no_sync: a head used only in no_sync() is still averaged
+    model = wrap(Heads(), find_unused_parameters=True)
+    opt = optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = data(step, rank, world_size)
+        half = len(x) // 2
+        with model.no_sync():
+            F.mse_loss(model(x[:half], use_spare=True), y[:half]).backward()
+        F.mse_loss(model(x[half:]), y[half:]).backward()
+        opt.step()
+    return params(model)
 
 
 def bn_net() -> nn.Module:

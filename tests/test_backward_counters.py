@@ -8,11 +8,11 @@ import torch
 from helpers import run_batch
 from torch import nn
 
-from mnist_dist.metrics import StepTimer, ddp_counters_ms
+from mnist_dist.metrics import ddp_counters_ms
 from mnist_dist.model import ConvNet, FastNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
-from mnist_dist.parallel import DistributedDataParallel, timing
-from mnist_dist.parallel.timing import MARKS, BackwardClock
+from mnist_dist.parallel import timing
+from mnist_dist.parallel.timing import BackwardClock
 
 
 @pytest.fixture
@@ -83,25 +83,6 @@ def test_averages_are_over_every_finished_backward_and_still_add_up(clock):
     assert clock.last_wait_s() == 3  # the last finished backward's: AT_THE_END waited for all of its 3 s
 
 
-def test_our_ddp_stamps_in_the_order_the_scripts_play(one_rank, monkeypatch):
-    """The scripts above are the wrapper's real sequences: with overlap the first bucket is sent before
-    backward's compute ends; without, after it."""
-    stamped = []
-    monkeypatch.setattr(BackwardClock, "mark", lambda self, name: stamped.append(name))
-    for overlap, expected in ((True, ["compute_start", "comm_start", "compute_end", "comm_end"]), (False, None)):
-        torch.manual_seed(0)
-        model = DistributedDataParallel(
-            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), bucket_cap_mb=80 / 2**20, overlap=overlap
-        )
-        model.clock = BackwardClock(torch.device("cpu"))
-        for _ in range(2):  # the first backward records the order and sends everything at its end
-            stamped.clear()
-            model(torch.randn(4, 8)).sum().backward()
-        first = [name for i, name in enumerate(stamped) if name not in stamped[:i]]
-        assert first == (expected or ["compute_start", "compute_end", "comm_start", "comm_end"]), overlap
-        assert set(stamped) == set(MARKS) and stamped.count("comm_start") == len(model.bucket_plan)  # one a bucket
-
-
 def counters_of(rank: int, world_size: int, mode) -> tuple[dict[str, float], int]:
     """A few steps of the convnet wrapped as the trainer wraps it; the counters, torch's sampled iteration."""
     torch.manual_seed(rank)
@@ -145,7 +126,6 @@ NETS, CAPS = (ConvNet, FastNet), (None, 25.0, 0.05)  # the app's two models; tor
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     calls = {
-        "ddp": (counters_of, DDPMode()),
         "torch_ddp": (counters_of, TorchDDPMode()),
         **{f"buckets {cap}": (torch_buckets, cap) for cap in (None, 25.0, 0.05)},
         **{f"torch {net.__name__} {cap}": (torch_buckets, cap, net) for net in NETS for cap in CAPS},
@@ -154,7 +134,7 @@ def ranks(tmp_path_factory):
     return run_batch(calls, 2, tmp_path_factory.mktemp("ranks"))
 
 
-@pytest.mark.parametrize("mode", ["ddp", "torch_ddp"])
+@pytest.mark.parametrize("mode", ["torch_ddp"])
 def test_both_ddps_report_counters_that_fit_together(ranks, mode):
     for counters, _ in ranks[mode]:
         assert set(counters) == {"backward_compute", "backward_comm", "backward_overlap"}
@@ -183,21 +163,3 @@ def test_both_ddps_cut_the_same_buckets_and_issue_as_many_all_reduces(ranks, net
     for rank, (buckets, all_reduces) in enumerate(ranks[f"ours {net.__name__} {cap}"]):
         assert buckets == theirs[rank]  # the same bytes per bucket, in launch order
         assert all_reduces == len(theirs[rank])  # one all-reduce per bucket: as many collectives as torch
-
-
-def test_our_ddp_stamps_only_the_steps_the_step_timer_samples(one_rank, monkeypatch):
-    # On CUDA each stamp is an event recorded on the compute stream: a backward nobody reads records none.
-    stamped = []
-    monkeypatch.setattr(timing.StreamClock, "now", lambda self: stamped.append(1) or 0.0)
-    model = wrap_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), DDPMode(), torch.device("cpu"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    timer = StepTimer([torch.device("cpu")], model, optimizer)
-    counts = []
-    for sample in (False, True, False):
-        timer.start(sample)
-        model(torch.randn(4, 8)).sum().backward()
-        optimizer.step()
-        counts.append(len(stamped))
-        stamped.clear()
-    # The sampled step: the timer's start, data-less phase ends (forward_backward, optimizer) and the wrapper's 4
-    assert counts == [0, 3 + len(MARKS), 0]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch.distributed.nn.functional  # noqa: F401
 
 from mnist_dist.parallel._supervise import WorkerFailed
-from mnist_dist.parallel.ddp import DistributedDataParallel
+from mnist_dist.parallel.ddp_extras import DistributedDataParallel  # the core (ddp.py) and join(), compression
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 from mnist_dist.parallel.spawn import heartbeat, spawn
 from mnist_dist.parallel.state import buffers_from_rank0, plain_state_dict, unwrap

@@ -1,0 +1,162 @@
+"""The core DistributedDataParallel (ddp.py) with what torch DDP has and the core leaves out, or torch lacks:
+
+- ``join()``, torch DDP's context for ranks with different numbers of batches;
+- ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison;
+- ``compress_bf16``: fp32 gradients travel as bf16 (half the bytes) and are added up in fp32;
+- ``peer_wait_s``: on gloo, a backward that waits this long for the other ranks raises, naming the likely cause
+  (uneven steps without ``join()``), where gloo would hang for half an hour.
+"""
+
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from mnist_dist.parallel import ddp
+from mnist_dist.parallel.ddp import broadcast_from
+
+
+class CompressedBucket(ddp.Bucket):
+    """An fp32 bucket's bf16 copies from every rank gathered and added up in fp32 (an all-reduce would add in bf16);
+    other dtypes as ddp.Bucket."""
+
+    def __init__(self, indices: list[int], params: list[torch.Tensor]) -> None:
+        super().__init__(indices, params)
+        self.wire: list[torch.Tensor] = []
+
+    def start(self, group: dist.ProcessGroup) -> dist.Work:
+        if self.buffer.dtype != torch.float32:
+            return super().start(group)
+        if not self.wire:
+            self.wire = [self.buffer.new_empty(self.buffer.numel(), dtype=torch.bfloat16) for _ in range(group.size())]
+        mine = self.wire[dist.get_rank(group)]
+        mine.copy_(self.buffer)
+        return dist.all_gather(self.wire, mine, group=group, async_op=True)
+
+    def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
+        if self.wire:
+            torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
+        super().write_back(params, used, as_view)
+
+
+class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
+    """ddp.DistributedDataParallel's arguments, and ``overlap``, ``compress_bf16`` and ``peer_wait_s`` (above)."""
+
+    def __init__(
+        self, module, *args, overlap: bool = True, compress_bf16: bool = False, peer_wait_s: float = 60.0, **kwargs
+    ) -> None:
+        super().__init__(module, *args, **kwargs)
+        Joinable.__init__(self)
+        self.overlap, self.compress_bf16, self._backwards = overlap, compress_bf16, 0
+        self.bucket_type = CompressedBucket if compress_bf16 else ddp.Bucket
+        # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
+        self._peer_wait = timedelta(seconds=peer_wait_s if dist.get_backend(self.process_group) == "gloo" else 0)
+        self._divide_by_initial_world_size = True
+
+    @property
+    def bucket_plan(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
+
+    @property
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The memory this wrapper holds besides ``.grad``: flat buffers, and compression's copies."""
+        return [t for b in self._buckets for t in [b.buffer, *getattr(b, "wire", [])]]
+
+    def _launch_ready_buckets(self, everything: bool = False) -> None:
+        if self.overlap or everything:
+            super()._launch_ready_buckets(everything)
+
+    def _plan(self, groups: list[list[int]]) -> None:
+        first, _ = not self._buckets, super()._plan(groups)
+        fp16 = any(self._params[i].dtype == torch.float16 for i in self._bucket_of)
+        if first and fp16 and dist.get_backend(self.process_group) == "gloo":  # once: not again at the rebuild
+            warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
+
+    def forward(self, *args, **kwargs):
+        ranks_in = Join.notify_join_context(self)  # None outside join()
+        output = super().forward(*args, **kwargs)
+        if ranks_in is not None and not self._divide_by_initial_world_size:
+            ranks_in.wait()
+            self._scale = 1.0 / ranks_in.result()[0].item()
+        return output
+
+    def _end_of_backward(self) -> None:
+        synced = bool(self._arrived)
+        super()._end_of_backward()
+        self._backwards += synced  # finished, for the peer wait's message
+
+    def _before_module(self, sync: bool) -> None:
+        self._scale = 1.0 / self.world_size
+        if not self._join_config.enable:
+            return super()._before_module(sync)
+        self._sync_buffers(candidate=True)
+        self._all_reduce(float(sync))  # tells the joined ranks whether to shadow this backward
+
+    def _sync_buffers(self, candidate: bool) -> None:
+        # Under join() from the highest rank still in: rank 0 may have joined with stale buffers.
+        buffers = list(self.module.buffers())
+        if self.forward_sync_buffers and self._sync_buffers_next_forward and buffers:
+            broadcast_from(buffers, self._highest_rank(candidate), self.process_group)
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait(self._peer_wait)  # timedelta(0) off gloo: no limit
+        except RuntimeError as error:
+            if not self._peer_wait or "timed out" not in str(error).lower():
+                raise
+            # Worded without "time out": a launcher must not take this rank for one that waited on a stuck peer.
+            raise RuntimeError(
+                f"rank {dist.get_rank()} waited {self._peer_wait.total_seconds():g} s for the other ranks in the "
+                f"all-reduce of its backward pass {self._backwards + 1}, and they never joined it: the ranks ran "
+                "different numbers of steps (a data set that does not split evenly?), or one is stuck. Give every "
+                "rank the same number of batches, or train inside `with model.join():`"
+            ) from None
+
+    def _highest_rank(self, candidate: bool) -> int:
+        return int(self._all_reduce(dist.get_rank(self.process_group) if candidate else -1, dist.ReduceOp.MAX))
+
+    def _all_reduce(self, value: float, op=dist.ReduceOp.SUM) -> float:
+        """One number reduced over the ranks (a collective every rank calls)."""
+        tensor = torch.tensor([float(value)], device=self._device)
+        dist.all_reduce(tensor, op=op, group=self.process_group)
+        return tensor.item()
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """``with model.join():`` around a loop whose ranks run different numbers of steps, with torch DDP's
+        ``join()`` semantics and arguments: a rank out of inputs shadows the collectives of each iteration the
+        others still run (docs/ddp.md); ``divide_by_initial_world_size=False`` divides by the ranks still in."""
+        self._divide_by_initial_world_size = divide_by_initial_world_size
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return self  # main_hook and post_hook below
+
+    join_device = property(lambda self: self._device)
+    join_process_group = property(lambda self: self.process_group)
+
+    def main_hook(self) -> None:
+        """A joined rank's part in each iteration the others still run: their collectives, with zeros."""
+        self._ensure_plan()
+        self._sync_buffers(candidate=False)
+        self._sync_buffers_next_forward = self._all_reduce(0.0) > 0
+        if not self._sync_buffers_next_forward:
+            return
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            bucket.start(self.process_group).wait()
+        if self.find_unused_parameters:  # the others' count of the parameters used anywhere; none here
+            dist.all_reduce(
+                torch.zeros(len(self._params), dtype=torch.int32, device=self._device), group=self.process_group
+            )
+        if not self._rebuilt:
+            self._rebuild()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Once all have joined: every rank takes the last joiner's parameters and buffers."""
+        src = self._highest_rank(is_last_joiner)
+        broadcast_from([*self._params, *self.module.buffers()], src, self.process_group)
