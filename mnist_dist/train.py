@@ -220,7 +220,7 @@ def log_window(run: Run, progress: Progress) -> None:
     images, seconds = meters.throughput.lap() or (0, 0.0)
     gathered = all_gather([loss, images, seconds])
     if run.topology.rank == 0:
-        tags = window_tags(gathered, [])
+        tags = window_tags(gathered)
         tags["train/lr"] = learner.optimizer.param_groups[0]["lr"]
         progress.numbers(tags["train/loss_global"], tags.get("perf/images_per_s_global"))
         run.scalars.add(run.step, **tags)
