@@ -8,8 +8,7 @@ goes (forward, backward, communication, optimizer) is the profiler's to say, the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,17 +103,6 @@ class Stopwatch:
         if self.started is None:
             return self.seconds
         return self.seconds + self.clock.seconds(self.started, self.clock.now())
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Not counting inside the block; counting again after it if it was counting before."""
-        running = self.started is not None
-        self.stop()
-        try:
-            yield
-        finally:
-            if running:
-                self.start()
 
 
 class Meters:

@@ -195,8 +195,12 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
                 "started again with resume=auto"
             )
         evaluated = cfg.eval_every_steps > 0 and run.step % cfg.eval_every_steps == 0
-        if evaluated and evaluate(run):
-            break  # the target is reached
+        if evaluated:
+            meters.train_time.stop()  # evaluation is off the training clock
+            meters.throughput.pause()  # and out of images/s: the next step starts that clock again
+            if evaluate(run):
+                break  # the target is reached
+            meters.train_time.start()
     meters.train_time.stop()
     run.losses.check(run.step, run.topology.rank)  # the epoch's last steps, short of a full window
     meters.throughput.pause()
@@ -227,17 +231,15 @@ def log_window(run: Run, progress: Progress) -> None:
 
 
 def evaluate(run: Run) -> bool:
-    """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
-    rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
+    """Exact test loss and accuracy of the model at this step, called with the training clocks stopped (a
+    collective: every rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
     learner, meters, score, topology = run.learner, run.meters, run.score, run.topology
-    meters.throughput.pause()  # the next step starts its clock again
-    with meters.train_time.paused():
-        meters.eval_time.start()
-        with learner.precision.autocast():
-            score.loss, score.accuracy = evaluate_as_saved(
-                learner.model, *run.test_set, run.cfg.test_batch_size, topology.rank, topology.world_size
-            )
-        meters.eval_time.stop()
+    meters.eval_time.start()
+    with learner.precision.autocast():
+        score.loss, score.accuracy = evaluate_as_saved(
+            learner.model, *run.test_set, run.cfg.test_batch_size, topology.rank, topology.world_size
+        )
+    meters.eval_time.stop()
     if not math.isfinite(score.loss):  # the last step's update diverged: its training loss was still finite
         raise TrainingDiverged(
             f"the test loss is {score.loss} after step {run.step} (rank {topology.rank}); {run.losses.advice()}"
