@@ -63,7 +63,9 @@ class Score:
 
 @dataclass
 class Run:
-    """What a worker builds once and its steps share; mnist_dist/operations/results.py and resume.py read it."""
+    """What a worker builds once, and where the loop has got to (step, losses, score): the loop advances it,
+    a resume (checkpoint.restore) sets it once before the loop, checkpoint.save_checkpoint and results.finish
+    only read it."""
 
     cfg: Config
     topology: Topology
@@ -74,7 +76,6 @@ class Run:
     test_set: tuple[torch.Tensor, torch.Tensor]
     learner: Learner
     meters: Meters  # this rank's clocks and counts
-    start: tuple[int, int] = (1, 0)  # the first epoch, and the steps of it a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
     losses: Losses = field(default_factory=Losses)  # this log window's, and the checkpoint last checked
     score: Score = field(default_factory=Score)
@@ -93,7 +94,8 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
         steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
         progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
         profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, topology.device) if cfg.profile else None
-        first_epoch, done = run.start
+        # The first epoch, and the steps of it that a mid-epoch checkpoint had done
+        first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
         for epoch in range(first_epoch, cfg.epochs + 1):
             train_epoch(run, epoch, done if epoch == first_epoch else 0, progress, profiler)
             if run.score.steps_to_target is not None:
