@@ -1,34 +1,19 @@
-"""Honest numbers: synchronised timing without warm-up, the wrappers' own counters, global reductions.
+"""Honest numbers: synchronised timing without warm-up, and the global reductions that make a job's number.
 
-Every meter reads one clock, the compute stream's (mnist_dist/parallel/timing.py), and stays out of the
-step's code; mnist_dist/operations/tensorboard.py logs what they measure.
+Every meter reads one clock, the compute stream's (mnist_dist/parallel/timing.py); the training loop starts
+and reads them itself, and mnist_dist/operations/tensorboard.py logs what they measure. Where a step's time
+goes (forward, backward, communication, optimizer) is the profiler's to say, the same way in every mode:
+``profile=true`` (mnist_dist/operations/profiling.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.timing import StreamClock
-
-# Both DDPs' own counters of their backward passes: torch DDP's logging data (reducer.cpp), and ours under
-# the same names (mnist_dist/parallel/timing.py), so that the two are read, logged and compared alike.
-DDP_COUNTERS = {
-    "backward_compute": "avg_backward_compute_time",
-    "backward_comm": "avg_backward_comm_time",
-    "backward_overlap": "avg_backward_compute_comm_overlap_time",
-}
-
-
-def ddp_counters_ms(model: torch.nn.Module) -> dict[str, float]:
-    """The wrapper's backward compute, communication and their overlap (ms, averaged over the backwards it
-    sampled: torch DDP samples some, ours every synchronised one); {} for a model that is neither DDP."""
-    data = wrappers.of(model).counters_ns(model)
-    return {} if data is None else {name: data.get(key, 0) / 1e6 for name, key in DDP_COUNTERS.items()}
 
 
 def _collective_tensor(values: list[float]) -> torch.Tensor:
@@ -119,92 +104,15 @@ class Stopwatch:
             return self.seconds
         return self.seconds + self.clock.seconds(self.started, self.clock.now())
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Not counting inside the block; counting again after it if it was counting before."""
-        running = self.started is not None
-        self.stop()
-        try:
-            yield
-        finally:
-            if running:
-                self.start()
-
-
-class StepTimer:
-    """Splits the steps passed ``sample=True`` into phases, on the clock of ``devices``; on CUDA the stamps are
-    read once the step has ended. The trainer ends ``data``; the rest is read from outside the step, so that
-    its code knows nothing of timing: optimizer hooks end forward and backward (fp16's unscale included) and
-    the optimizer, and our DDP's clock says how much of backward was ``comm_wait`` (docs/running.md)."""
-
-    PHASES = ("data", "forward_backward", "comm_wait", "optimizer")
-
-    def __init__(
-        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self.clock = StreamClock(devices)
-        self.wait_clock = wrappers.of(model).clock(model)  # our DistributedDataParallel's (parallel/timing.py)
-        self.sampling = False
-        self.stamps: list = []  # this step's: the start, then one per phase ended
-        self.window = dict.fromkeys(self.PHASES, 0.0)
-        self.total = dict.fromkeys(self.PHASES, 0.0)
-        self.window_steps = self.total_steps = 0
-        optimizer.register_step_pre_hook(lambda *_: self.mark("forward_backward"))
-        optimizer.register_step_post_hook(lambda *_: self._optimizer_done())
-
-    def start(self, sample: bool) -> None:
-        self.sampling = sample
-        if self.wait_clock is not None:  # no events on the steps nobody reads
-            self.wait_clock.enabled = sample
-        if sample:
-            self.stamps = [("start", self.clock.now())]
-
-    def mark(self, phase: str) -> None:
-        """Ends ``phase`` of this step (a no-op on steps not sampled)."""
-        if self.sampling:
-            self.stamps.append((phase, self.clock.now()))
-
-    def _optimizer_done(self) -> None:
-        if not self.sampling:
-            return
-        self.mark("optimizer")
-        step = dict.fromkeys(self.PHASES, 0.0)
-        for (_, start), (phase, end) in zip(self.stamps, self.stamps[1:]):
-            step[phase] += self.clock.seconds(start, end)
-        waited = min(self.wait_clock.last_wait_s() if self.wait_clock else 0.0, step["forward_backward"])
-        step["forward_backward"] -= waited
-        step["comm_wait"] += waited
-        for phase, seconds in step.items():
-            self.window[phase] += seconds
-        self.window_steps += 1
-        self.sampling = False
-
-    def lap(self) -> dict[str, float]:
-        """Milliseconds per phase, averaged over the sampled steps since the last lap."""
-        steps = max(self.window_steps, 1)
-        means = {phase: 1000 * seconds / steps for phase, seconds in self.window.items()}
-        for phase, seconds in self.window.items():
-            self.total[phase] += seconds
-        self.total_steps += self.window_steps
-        self.window, self.window_steps = dict.fromkeys(self.PHASES, 0.0), 0
-        return means
-
-    def means_ms(self) -> dict[str, float]:
-        """Milliseconds per phase over the whole run."""
-        return {phase: 1000 * seconds / max(self.total_steps, 1) for phase, seconds in self.total.items()}
-
 
 class Meters:
     """What a rank measures over a run, on the clock of ``devices``: training and evaluation time (time to
-    accuracy counts training only), images/s, the step split, and the most parameter, gradient and optimizer
-    bytes it held after a step."""
+    accuracy counts training only), images/s, and the most parameter, gradient and optimizer bytes it held
+    after a step."""
 
-    def __init__(
-        self, devices: Sequence[torch.device], model: torch.nn.Module, optimizer: torch.optim.Optimizer, warmup: int
-    ) -> None:
+    def __init__(self, devices: Sequence[torch.device], warmup: int) -> None:
         self.train_time, self.eval_time = Stopwatch(devices), Stopwatch(devices)
         self.throughput = Throughput(devices, warmup)
-        self.step_timer = StepTimer(devices, model, optimizer)
         self.state_bytes = 0
 
 
@@ -217,10 +125,10 @@ def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the parameters, gradients and optimizer state this rank holds, counted from their storages
-    (each once); in fsdp, the local shards. Both DDPs' buckets count too: they copy the gradients into
-    them (unless .grad is a view of its bucket), so they hold as much again."""
-    wrapper, parameters = wrappers.of(model), list(model.parameters())
+    (each once); in fsdp, the local shards (a DTensor's ``to_local()``). A DDP's gradient buckets are not
+    counted: torch's are not public."""
+    parameters = list(model.parameters())
     tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {s.data_ptr(): s.nbytes() for s in (wrapper.local(t).untyped_storage() for t in tensors)}
-    return sum(storages.values()) + wrapper.bucket_bytes(model)
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())

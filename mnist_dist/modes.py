@@ -25,7 +25,6 @@ from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel import DistributedDataParallel, data_parallel, split
 from mnist_dist.parallel.fsdp import shard
 from mnist_dist.parallel.syncbn import convert_sync_batchnorm
-from mnist_dist.parallel.timing import BackwardClock
 
 
 class Processes(Enum):
@@ -199,7 +198,7 @@ def _sync_batchnorm(model: nn.Module, mode: ReplicatedMode, device: torch.device
 
 
 def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn.Module:
-    wrapped = DistributedDataParallel(
+    return DistributedDataParallel(
         _sync_batchnorm(model, mode, device),
         bucket_cap_mb=mode.bucket_cap_mb,
         overlap=mode.overlap,
@@ -208,24 +207,16 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
         peer_wait_s=mode.peer_wait_s,
     )
-    wrapped.clock = BackwardClock(device)  # its backward counters, as torch DDP's (the step timer reads them)
-    return wrapped
 
 
 def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
-    wrapped = TorchDDP(
+    return TorchDDP(
         _sync_batchnorm(model, mode, device),
         device_ids=[device] if device.type == "cuda" else None,
         find_unused_parameters=mode.find_unused_parameters,
         bucket_cap_mb=mode.bucket_cap_mb,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )
-    if device.type == "cpu":
-        # torch's backward counters average its first 10 iterations, then every 100th (in a bench run, the
-        # warm-up); ours every synchronised backward. On a CPU a sample is a clock read, so torch samples each
-        # too; on CUDA reading a sample waits for its events.
-        wrapped._set_ddp_runtime_logging_sample_rate(1)
-    return wrapped
 
 
 def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:

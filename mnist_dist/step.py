@@ -10,10 +10,11 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mnist_dist.data import eval_shard
 from mnist_dist.metrics import all_reduce
-from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap, wrappers
+from mnist_dist.parallel import buffers_from_rank0, heartbeat, unwrap
 
 
 def train_step(
@@ -28,12 +29,15 @@ def train_step(
     """One optimizer step on this rank's share of the global batch; returns its loss.
 
     The same lines in every mode: wrappers that synchronise gradients (ours and torch's DDP) finish
-    inside ``backward()``, so nothing is called between it and the optimizer's step.
+    inside ``backward()``, so nothing is called between it and the optimizer's step. The named ranges
+    (forward, backward, optimizer) are where a step's time goes in the trace that ``profile=true`` writes,
+    alike in every mode; a DDP's all-reduces show inside backward.
     """
     optimizer.zero_grad(set_to_none=True)
     loss = compute_gradients(model, x, y, precision, accumulate, label_smoothing)
-    precision.scaler.step(optimizer)
-    precision.scaler.update()
+    with record_function("optimizer"):
+        precision.scaler.step(optimizer)
+        precision.scaler.update()
     return loss
 
 
@@ -48,18 +52,19 @@ def compute_gradients(
     """Gradients of the mean loss over (x, y) in ``parts`` micro-batches, added to ``.grad``; returns that loss.
 
     Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
-    share. ddp modes all-reduce only in the last backward: ``no_sync`` holds the forward too, since
-    both DDPs decide at forward whether its backward syncs (pytorch/pytorch#43201).
+    share. Both DDPs (the models with ``no_sync``) all-reduce only in the last backward: ``no_sync`` holds
+    the forward too, since both decide at forward whether its backward syncs (pytorch/pytorch#43201).
     """
     losses = []
     for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
         last = i == parts - 1
-        with model.no_sync() if not last and wrappers.of(model).no_sync else nullcontext():
-            with precision.autocast():
+        with model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext():
+            with record_function("forward"), precision.autocast():
                 logits = model(xs)
                 # split mode ends on another device
                 loss = F.cross_entropy(logits, ys.to(logits.device), label_smoothing=label_smoothing) / parts
-            precision.scaler.scale(loss).backward()
+            with record_function("backward"):
+                precision.scaler.scale(loss).backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()
 

@@ -1,8 +1,11 @@
-"""The worker: build → the epochs (train, evaluate) → finish, the same code in every mode and on every rank.
+"""The worker: build → the epochs → finish, the same code in every mode and on every rank.
 
-It gets a plain config, plain paths and its topology (never Hydra globals) and never touches the network:
-the parent prepared the data. What one step computes is in mnist_dist/step.py, what is measured on the
-way in mnist_dist/metrics.py; this module runs the loop.
+Each epoch is one explicit loop (``train_epoch``): batch → ``train_step`` (mnist_dist/step.py; a DDP
+averages the gradients inside its backward) → every ``log_every`` steps one synchronised log window (one
+all_gather, rank 0 writes TensorBoard) → at the epoch's end the exact evaluation and the checkpoint. Nothing
+runs from a hook: every clock read, log line and file written is a line of this loop. It gets a plain
+config, plain paths and its topology (never Hydra globals) and never touches the network: the parent
+prepared the data.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 
 from mnist_dist.config import Config
 from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
-from mnist_dist.metrics import Meters, StepTimer, all_gather, ddp_counters_ms, state_bytes
+from mnist_dist.metrics import Meters, all_gather, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.operations import checkpoint, files, preemption, profiling
@@ -60,7 +63,9 @@ class Score:
 
 @dataclass
 class Run:
-    """What a worker builds once and its steps share; mnist_dist/operations/results.py and resume.py read it."""
+    """What a worker builds once, and where the loop has got to (step, losses, score): the loop advances it,
+    a resume (checkpoint.restore) sets it once before the loop, checkpoint.save_checkpoint and results.finish
+    only read it."""
 
     cfg: Config
     topology: Topology
@@ -71,9 +76,6 @@ class Run:
     test_set: tuple[torch.Tensor, torch.Tensor]
     learner: Learner
     meters: Meters  # this rank's clocks and counts
-    progress: Progress | None = None  # set once the run knows where it starts
-    profiler: torch.profiler.profile | None = None  # profile=true
-    start: tuple[int, int] = (1, 0)  # the first epoch, and the steps of it a mid-epoch checkpoint had done
     step: int = 0  # optimizer steps taken, over all epochs
     losses: Losses = field(default_factory=Losses)  # this log window's, and the checkpoint last checked
     score: Score = field(default_factory=Score)
@@ -89,16 +91,18 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     scalars = Scalars(run_dir, topology.rank, resumed_at)
     try:
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
-        first_epoch, done = run.start
+        steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
+        progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
+        profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, topology.device) if cfg.profile else None
+        # The first epoch, and the steps of it that a mid-epoch checkpoint had done
+        first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
         for epoch in range(first_epoch, cfg.epochs + 1):
-            epoch_started = time.perf_counter()
-            evaluated = train_epoch(run, epoch, done if epoch == first_epoch else 0)
-            end_epoch(run, epoch, epoch_started, evaluated)
+            train_epoch(run, epoch, done if epoch == first_epoch else 0, progress, profiler)
             if run.score.steps_to_target is not None:
                 break
-        if run.profiler:
-            run.profiler.stop()
-        run.progress.close()
+        if profiler:
+            profiler.stop()
+        progress.close()
         return finish(run, time.perf_counter() - started)
     except Exception:
         # The process group is left as it is: closing it now would make the other ranks fail
@@ -124,14 +128,10 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     steps = steps_per_epoch(len(train_set[0]), cfg.batch_size)
     scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, steps * cfg.epochs)
     learner = Learner(model, optimizer, scheduler, per_step, Precision(cfg.amp, device))
-    # dp and split: the meters wait for every device they compute on
-    meters = Meters(topology.devices, model, optimizer, cfg.warmup_steps)
+    meters = Meters(topology.devices, cfg.warmup_steps)  # dp and split: they wait for every device computing
     run = Run(cfg, topology, run_dir, config_yaml, scalars, train_set, test_set, learner, meters)
     if resumed:
         restore(run, resumed)
-    if cfg.profile:
-        run.profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, device)
-    run.progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
     where, size = f"{cfg.mode.name} on {topology.device_type}", topology.world_size
     per_rank = f"global batch {cfg.batch_size} ({cfg.batch_size // size} per rank), {steps} steps per epoch"
     log.info("%s: %d rank(s), %s", where, size, per_rank)
@@ -159,23 +159,23 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     return model
 
 
-def train_epoch(run: Run, epoch: int, done: int) -> bool:
-    """One pass over the training set after its first ``done`` steps: this rank's share of every global batch,
-    in the epoch's order. True when its last step's model was evaluated (``eval_every_steps``)."""
+def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: torch.profiler.profile | None) -> None:
+    """One pass over the training set after its first ``done`` steps, each rank on its share of every global
+    batch, in the epoch's order; then the test set and the checkpoint. Every step: batch -> step -> every
+    ``log_every`` steps one synchronised log window -> the stop vote and the mid-epoch checkpoint."""
     cfg, learner, meters, (train_x, train_y) = run.cfg, run.learner, run.meters, run.train_set
+    started, last = time.perf_counter(), steps_per_epoch(len(train_x), cfg.batch_size)
     learner.model.train()
     order = epoch_order(len(train_x), cfg.seed, epoch).to(train_x.device)
     batches = rank_batches(order, cfg.batch_size, run.topology.rank, run.topology.world_size)
-    run.progress.set_epoch(epoch, cfg.epochs)
+    progress.set_epoch(epoch, cfg.epochs)
     if not done:  # after a mid-epoch checkpoint, its log window goes on
         run.losses.window = []
     evaluated = False
     meters.train_time.start()
     for position, indices in enumerate(islice(batches, done, None), start=done + 1):
         run.step += 1
-        meters.step_timer.start(sample=run.step % cfg.log_every == 0)  # the last step of each window is timed
         x, y = train_x[indices], train_y[indices]
-        meters.step_timer.mark("data")
         loss = train_step(
             learner.model, learner.optimizer, x, y, learner.precision, cfg.accumulate, cfg.label_smoothing
         )
@@ -184,62 +184,64 @@ def train_epoch(run: Run, epoch: int, done: int) -> bool:
         run.losses.window.append(loss.detach())  # kept on the device: no sync per step
         meters.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
-            log_window(run)
-        run.progress.step()
-        between_steps(run, epoch, position)
+            log_window(run, progress)
+        progress.step()
+        if profiler:
+            profiler.step()
+        stop = preemption.requested(run.step)  # a collective vote on a scheduler's signal, one step late
+        if stop or (cfg.checkpoint_every_steps and run.step % cfg.checkpoint_every_steps == 0 and position < last):
+            save_checkpoint(run, epoch - 1, position)  # at the epoch's last step, the epoch's own follows
+        if stop:
+            raise preemption.Stopped(
+                f"stopped by {stop} after step {run.step}; the run goes on from {run.run_dir}/checkpoint.pt when "
+                "started again with resume=auto"
+            )
         evaluated = cfg.eval_every_steps > 0 and run.step % cfg.eval_every_steps == 0
-        if evaluated and evaluate(run):
-            break  # the target is reached
+        if evaluated:
+            meters.train_time.stop()  # evaluation is off the training clock
+            meters.throughput.pause()  # and out of images/s: the next step starts that clock again
+            if evaluate(run):
+                break  # the target is reached
+            meters.train_time.start()
     meters.train_time.stop()
     run.losses.check(run.step, run.topology.rank)  # the epoch's last steps, short of a full window
     meters.throughput.pause()
-    return evaluated
+    if not evaluated:  # the last step's model was not evaluated yet
+        evaluate(run)
+    if not learner.per_step:
+        learner.scheduler.step()
+    seconds = time.perf_counter() - started
+    run.scalars.add(run.step, **{"perf/epoch_time_s": seconds})  # rank 0 writes
+    save_checkpoint(run, epoch, 0)
+    score = run.score
+    log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, score.loss, 100 * score.accuracy, seconds)
 
 
-def log_window(run: Run) -> None:
+def log_window(run: Run, progress: Progress) -> None:
     """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
     learner, meters = run.learner, run.meters
     meters.state_bytes = max(meters.state_bytes, state_bytes(learner.model, learner.optimizer))  # gradients held
     loss = run.losses.check(run.step, run.topology.rank).mean().item()
     run.losses.window = []
     images, seconds = meters.throughput.lap() or (0, 0.0)
-    counters = ddp_counters_ms(learner.model)  # the same keys on every rank: the DDP modes have them, others not
-    gathered = all_gather([loss, images, seconds, *meters.step_timer.lap().values(), *counters.values()])
+    gathered = all_gather([loss, images, seconds])
     if run.topology.rank == 0:
-        tags = window_tags(gathered, [*StepTimer.PHASES, *counters])
+        tags = window_tags(gathered)
         tags["train/lr"] = learner.optimizer.param_groups[0]["lr"]
-        run.progress.numbers(tags["train/loss_global"], tags.get("perf/images_per_s_global"))
+        progress.numbers(tags["train/loss_global"], tags.get("perf/images_per_s_global"))
         run.scalars.add(run.step, **tags)
 
 
-def between_steps(run: Run, epoch: int, position: int) -> None:
-    """After step ``position`` of ``epoch``, outside the step: the profiler's step, the mid-epoch
-    checkpoint, and a stop that a scheduler asked for (mnist_dist/operations/preemption.py)."""
-    if run.profiler:
-        run.profiler.step()
-    every, last = run.cfg.checkpoint_every_steps, steps_per_epoch(len(run.train_set[0]), run.cfg.batch_size)
-    stop = preemption.requested(run.step)
-    if stop or (every and run.step % every == 0 and position < last):  # at the last, the epoch's own follows
-        save_checkpoint(run, epoch - 1, position)
-    if stop:
-        raise preemption.Stopped(
-            f"stopped by {stop} after step {run.step}; the run goes on from {run.run_dir}/checkpoint.pt when "
-            "started again with resume=auto"
-        )
-
-
 def evaluate(run: Run) -> bool:
-    """Exact test loss and accuracy of the model at this step, off the training clock (a collective: every
-    rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
+    """Exact test loss and accuracy of the model at this step, called with the training clocks stopped (a
+    collective: every rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
     learner, meters, score, topology = run.learner, run.meters, run.score, run.topology
-    meters.throughput.pause()  # the next step starts its clock again
-    with meters.train_time.paused():
-        meters.eval_time.start()
-        with learner.precision.autocast():
-            score.loss, score.accuracy = evaluate_as_saved(
-                learner.model, *run.test_set, run.cfg.test_batch_size, topology.rank, topology.world_size
-            )
-        meters.eval_time.stop()
+    meters.eval_time.start()
+    with learner.precision.autocast():
+        score.loss, score.accuracy = evaluate_as_saved(
+            learner.model, *run.test_set, run.cfg.test_batch_size, topology.rank, topology.world_size
+        )
+    meters.eval_time.stop()
     if not math.isfinite(score.loss):  # the last step's update diverged: its training loss was still finite
         raise TrainingDiverged(
             f"the test loss is {score.loss} after step {run.step} (rank {topology.rank}); {run.losses.advice()}"
@@ -253,17 +255,3 @@ def evaluate(run: Run) -> bool:
     # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
     run.scalars.add(round(1000 * train_s), **{"test/accuracy_by_train_ms": score.accuracy})
     return score.steps_to_target is not None
-
-
-def end_epoch(run: Run, epoch: int, started: float, evaluated: bool) -> None:
-    """Test loss and accuracy (unless the last step's model was just evaluated), the scheduler's step, and
-    (rank 0) the scalars and the checkpoint."""
-    if not evaluated:
-        evaluate(run)
-    if not run.learner.per_step:
-        run.learner.scheduler.step()
-    seconds = time.perf_counter() - started
-    run.scalars.add(run.step, **{"perf/epoch_time_s": seconds})  # rank 0 writes
-    save_checkpoint(run, epoch, 0)
-    score = run.score
-    log.info("epoch %d: test loss %.4f, accuracy %.2f %%, %.1f s", epoch, score.loss, 100 * score.accuracy, seconds)

@@ -8,7 +8,7 @@ from helpers import compose_config, scalars
 
 from mnist_dist import train
 from mnist_dist.launch import launch
-from mnist_dist.operations import checkpoint
+from mnist_dist.operations import checkpoint, preemption
 from mnist_dist.operations.tensorboard import read_scalars
 
 STEPS = (
@@ -20,14 +20,15 @@ TIMING = ("perf/", "time/", "results/")  # differ from run to run; every other t
 
 
 def interrupted_at(step: int, monkeypatch):
-    between = train.between_steps
+    requested = preemption.requested  # the loop asks it after every step, before the mid-epoch checkpoint
 
-    def stop_after(run, epoch, position):
-        between(run, epoch, position)
-        if run.step == step:
+    def stop_after(after: int) -> str | None:
+        asked = requested(after)
+        if after == step:
             raise KeyboardInterrupt
+        return asked
 
-    monkeypatch.setattr(train, "between_steps", stop_after)
+    monkeypatch.setattr(preemption, "requested", stop_after)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,7 @@ from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.step import evaluate
 
-RANK_TAGS = {  # written by rank 0 for every rank r as rank_<r>/<tag>
-    "train/loss",
-    "perf/images_per_s",
-    "time/data_ms",
-    "time/forward_backward_ms",
-    "time/comm_wait_ms",
-    "time/optimizer_ms",
-}
+RANK_TAGS = {"train/loss", "perf/images_per_s"}  # written by rank 0 for every rank r as rank_<r>/<tag>
 RUN_TAGS = {
     "train/loss_global",
     "perf/images_per_s_global",
@@ -31,12 +24,8 @@ RUN_TAGS = {
 }
 
 
-# ddp and torch_ddp: the wrapper's own backward counters (torch DDP's logging data; ours under its names)
-DDP_TAGS = {"time/backward_compute_ms", "time/backward_comm_ms", "time/backward_overlap_ms"}
-
-
-def rank_tags(world_size: int, ddp: bool = False) -> set[str]:
-    return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS | (DDP_TAGS if ddp else set())}
+def rank_tags(world_size: int) -> set[str]:
+    return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS}
 
 
 def run(make_config, run_dir, *overrides):
@@ -71,6 +60,15 @@ def test_single_run_learns_and_writes_everything(make_config, tmp_path):
     ConvNet().load_state_dict(final)  # no "module." prefix to strip
     assert "epoch 3: test loss" in (tmp_path / "rank_0.log").read_text()
     assert "batch_size: 64" in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_profiled_step_names_its_forward_backward_and_optimizer(make_config, tmp_path):
+    # The split of a step's time that every mode shows alike: ranges in the step's own code, in the trace.
+    run(make_config, tmp_path, "epochs=1", "warmup_steps=1", "profile=true")
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    ranges = [event["name"] for event in events if event.get("cat") == "user_annotation"]
+    assert {"forward", "backward", "optimizer"} <= set(ranges)
+    assert ranges.count("forward") == ranges.count("optimizer")  # one of each per profiled step
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +131,7 @@ def test_distributed_evaluation_is_exact(twenty_steps, tiny_root):
     # One TensorBoard run per training run: rank 0 writes every rank's numbers into <run>/tb.
     assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {run_dir / "tb"}
     tb = scalars(run_dir)
-    assert set(tb) == RUN_TAGS | rank_tags(2, ddp=True)
+    assert set(tb) == RUN_TAGS | rank_tags(2)
     assert tb["rank_0/train/loss"] != tb["rank_1/train/loss"]  # each rank's own share of the batch
     mean = [(a + b) / 2 for a, b in zip(tb["rank_0/train/loss"], tb["rank_1/train/loss"], strict=True)]
     assert tb["train/loss_global"] == pytest.approx(mean, rel=1e-6)  # TensorBoard keeps float32

@@ -201,11 +201,11 @@ def restore(run: Run, resumed: dict) -> None:
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
     learner.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
-    run.start, run.step = (resumed["epoch"] + 1, resumed["epoch_step"]), resumed["step"]
+    run.step = resumed["step"]
     restore_rng(resumed["rng"], run.topology.rank)
     restore_meters(run, resumed["meters"])
     run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)
-    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, run.start[0], run.step)
+    log.info("resuming %s at epoch %d, step %d", run.cfg.resume, resumed["epoch"] + 1, run.step)
 
 
 def meters_of(run: Run, mid_epoch: bool) -> dict:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from mnist_dist.metrics import all_gather, cuda_peak_mib, ddp_counters_ms, job_images_per_s
+from mnist_dist.metrics import all_gather, cuda_peak_mib, job_images_per_s
 from mnist_dist.operations import checkpoint, files, machine
 from mnist_dist.operations.console import summary_line
 from mnist_dist.operations.errors import FILE_ONLY
@@ -46,14 +46,11 @@ def finish(run: Run, wall_time_s: float) -> dict:
             all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
         ),
         "wall_time_s": wall_time_s,
-        "step_time_ms": meters.step_timer.means_ms(),  # rank 0's, from the sampled steps
-        # ddp and torch_ddp: the wrapper's own backward compute, communication and overlap (rank 0's, ms)
-        "ddp_backward_ms": ddp_counters_ms(run.learner.model) or None,
         "peak_rss_mib": per_rank(peak_rss_mib()),
         # per rank, its fullest device; by device: rank 0's, every device of dp and split
         "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
         "cuda_max_allocated_mib_by_device": peaks,
-        # Parameters, gradients, optimizer state and DDP buckets held after a step, from their storage: shards in fsdp.
+        # Parameters, gradients and optimizer state held after a step, from their storage: shards in fsdp.
         "model_state_mib": per_rank(meters.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }

@@ -42,7 +42,6 @@ LAYOUT = [
         [
             ("training loss on each rank's share", r"^rank_\d+/train/loss$"),
             ("images/s of each rank", r"^rank_\d+/perf/images_per_s$"),
-            ("where a sampled step's time goes (ms)", r"^rank_\d+/time/"),
         ],
     ),
     ("schedule", False, [("learning rate", r"^train/lr$"), ("epoch time (s)", r"^perf/epoch_time_s$")]),
@@ -64,15 +63,14 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def window_tags(gathered: list[list[float]], names: list[str]) -> dict[str, float]:
-    """One log window's tags from every rank's ``[loss, images, seconds, *milliseconds]``, by rank (``names``
-    says what each millisecond figure is): each rank's own, and the mean loss and the job's images/s."""
+def window_tags(gathered: list[list[float]]) -> dict[str, float]:
+    """One log window's tags from every rank's ``[loss, images, seconds]``, by rank: each rank's own, and the
+    mean loss and the job's images/s."""
     tags = {}
-    for rank, (loss, images, seconds, *times_ms) in enumerate(gathered):
+    for rank, (loss, images, seconds) in enumerate(gathered):
         tags[f"rank_{rank}/train/loss"] = loss
         if seconds:
             tags[f"rank_{rank}/perf/images_per_s"] = images / seconds
-        tags.update({f"rank_{rank}/time/{name}_ms": ms for name, ms in zip(names, times_ms, strict=True)})
     tags["train/loss_global"] = sum(row[0] for row in gathered) / len(gathered)
     rate = job_images_per_s([(row[1], row[2]) for row in gathered])
     if rate:

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from mnist_dist.parallel.ddp import broadcast_from
-from mnist_dist.parallel.wrappers import DECLARED, Wrapper
 
 # torch.distributed.fsdp and .checkpoint are imported inside the functions that need them: they pull
 # in DTensor and sympy, about 2 s of CPU that every process of every other mode would pay at start.
@@ -44,11 +43,8 @@ def shard(
     """``fully_shard`` on each layer group, then on the root (which takes what no group holds); the process
     group must exist. ``param_dtype``/``reduce_dtype``: forward and backward's copies, the gradients' reduction."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # Declared where FSDP is imported: a process that never shards never imports it (nor DTensor).
-    DECLARED[FSDPModule] = Wrapper(sharded=True, local=lambda t: t.to_local() if isinstance(t, DTensor) else t)
     model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.parallel import wrappers
-from mnist_dist.parallel.ddp import broadcast_from
+from mnist_dist.parallel.ddp import DistributedDataParallel, broadcast_from
+from mnist_dist.parallel.dp import FunctionalDataParallel
+
+# The wrappers that hold the model as their .module (FSDP2 shards the model in place instead).
+OUTER = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
 
 
 def _dcp():
@@ -26,13 +30,13 @@ def _full():
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside an outer wrapper, for evaluation without wrapper machinery."""
-    return model.module if wrappers.of(model).outer else model
+    return model.module if isinstance(model, OUTER) else model
 
 
 def _plain_names(model: nn.Module) -> dict[str, str]:
     """torch's name for each parameter and buffer of ``unwrap(model)`` -> the plain model's. torch drops only its
     own DDP's ``module.``; a wrapper around a submodule (dp_block) keeps it, so it is dropped here."""
-    inner = [f"{name}." for name, m in model.named_modules() if name and wrappers.of(m).outer]
+    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, OUTER)]
     names = {}
     for key in model.state_dict():
         plain = key

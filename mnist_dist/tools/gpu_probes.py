@@ -21,8 +21,8 @@ from torch import nn
 from mnist_dist.config import Config
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import wrap_model
-from mnist_dist.parallel import wrappers
 from mnist_dist.parallel.dp import DataParallel, FunctionalDataParallel
+from mnist_dist.parallel.state import OUTER
 from mnist_dist.tools.gpu_check import Row
 from mnist_dist.topology import kernel_policy
 
@@ -65,7 +65,7 @@ def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bf
     mode = composed(f"mode={name}").mode
     probe = ThreadProbe().to(device)
     wrapped = wrap_model(probe, mode, device, 1)
-    wrapper = next(m for m in wrapped.modules() if wrappers.of(m).outer)  # dp_block's is inside
+    wrapper = next(m for m in wrapped.modules() if isinstance(m, OUTER))  # dp_block's is inside
     said = OmegaConf.load(resources.files("mnist_dist.conf") / "mode" / f"{name}.yaml")  # what the YAML says
     expected = FunctionalDataParallel if said.get("dp_functional", False) else DataParallel
     wrapper.device_ids = [device.index or 0] * 2  # two replicas' threads on this one device
