@@ -41,11 +41,14 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
         if by == "srun":
             preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
-        run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
+        topology = from_env(cfg)
+        setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
+        run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
     cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
     if by:
         cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
-    topology = from_env(cfg) if by else resolve(cfg)
+    else:
+        topology = resolve(cfg)
     validate(cfg, topology)
     if by:
         cfg.gpus = topology.world_size  # what runs, as config.yaml records it
@@ -55,27 +58,21 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     if not by and topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
-    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker of ours exists
+    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # under a lock: once per machine
     guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
-    if by or mode.processes is Processes.ONE:
+    if by:
+        return train(cfg, run_dir, data_dir, topology)
+    if mode.processes is Processes.ONE:
         return _worker(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
     log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    spawn(
-        _spawned_worker,
-        topology.world_size,
-        cfg,
-        run_dir,
-        data_dir,
-        log_path=log_path,
-        port=cfg.dist.port,
-        start_method=start,
-    )
+    args = (cfg, run_dir, data_dir)
+    spawn(_spawned_worker, topology.world_size, *args, log_path=log_path, port=cfg.dist.port, start_method=start)
     return None
 
 

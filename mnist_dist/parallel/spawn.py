@@ -1,18 +1,18 @@
-"""Starting a job's worker processes on one machine with torch's launcher (``start_processes``), and what it
-does not do: a worker that dies with a SIGKILLed launcher, ranks that meet in a store off the network, Ctrl-C
-answered by the launcher alone, and one line naming the failed rank."""
+"""A job's workers on one machine, started by torch's launcher, with what it does not do: a store off the
+network, workers that die with a SIGKILLed launcher, Ctrl-C answered by the launcher alone, one line per failure."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import multiprocessing.resource_tracker
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,27 +33,23 @@ def spawn(
     port: int = 0,
     start_method: str = "spawn",
 ) -> None:
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes and waits for all of them.
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits.
 
-    Each process has what torchrun sets in its environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, MASTER_PORT: ``port``, or a free one if 0): plain ``dist.init_process_group(backend)``
-    meets in this process's TCPStore, which listens on 127.0.0.1 only; gloo and NCCL pair on loopback. No port
-    of the job is reachable from the network. ``fn`` and ``args`` must be picklable (in a script, call ``spawn``
-    under ``if __name__ == "__main__":``).
+    Each has torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+    MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)`` meets in this process's store,
+    on loopback like gloo's and NCCL's pairs; no port of the job is reachable from the network. ``fn`` and
+    ``args`` must be picklable (in a script, call ``spawn`` under ``if __name__ == "__main__":``).
 
-    A worker that fails stops the whole job: WorkerFailed names its rank and reason in one line, with its log
-    ``log_path.format(rank=rank)`` if ``fn`` wrote one. A worker dies with this process, even a SIGKILLed one.
-    Ctrl-C is this process's alone: the workers ignore it, and are stopped with SIGTERM.
-
-    ``start_method="forkserver"`` forks the workers from one server that imported torch and ``fn``'s module
-    once (a fraction of a second per worker instead of several); it serves every later call. CPU work only: a
-    forked process cannot use a CUDA driver its parent loaded.
+    A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
+    ``log_path.format(rank=rank)`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
+    this process's alone (the workers ignore it and get SIGTERM). ``start_method="forkserver"`` forks them from
+    one server that imported torch and ``fn``'s module once (CPU only: a fork cannot use its parent's CUDA).
     """
     store = _loopback_store(port)
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
-    environment = dict(
-        os.environ,  # now: a forkserver's worker would otherwise have the server's, from when it started
+    environment = dict(  # now: a forkserver's worker would otherwise have the server's, from when it started
+        os.environ,
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
         WORLD_SIZE=str(world_size),
@@ -64,10 +60,17 @@ def spawn(
         GLOO_SOCKET_IFNAME="lo",
         NCCL_SOCKET_IFNAME="lo",
     )
-    with _sigint_held_from_children():
+    # SIGINT blocked while they start, and so for good in them (a mask survives fork and exec), a forkserver
+    # importing torch included: a terminal signals the whole process group, and each would print a traceback.
+    # A Ctrl-C meanwhile is delivered here after. The resource tracker unblocks it after starting: it goes first.
+    multiprocessing.resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
         context = mp.start_processes(
             _worker, (fn, environment, args), world_size, join=False, start_method=start_method
         )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
         while not context.join(grace_period=_GRACE_S):
             pass
@@ -79,8 +82,16 @@ def spawn(
 
 
 def _worker(rank: int, fn: Callable[..., object], environment: dict[str, str], args: tuple) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher answers Ctrl-C (see _sigint_held_from_children)
-    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher answers Ctrl-C (SIGINT is blocked in it too)
+    # Dies with the launcher, SIGKILL included: the launcher's end of the pipe to it closes. (A parent-death
+    # signal would watch a forkserver, which outlives the launcher while its workers hold a pipe to it.)
+    launcher = multiprocessing.parent_process().sentinel
+
+    def exit_with_launcher() -> None:
+        wait([launcher])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=exit_with_launcher, name="exit_with_launcher", daemon=True).start()
     os.environ.clear()
     os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank))
     fn(rank, int(environment["WORLD_SIZE"]), *args)
@@ -90,8 +101,7 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_pa
     """``rank <r> failed: <its exception's line, or how it ended>`` and its log; after a timeout, the likely cause."""
     rank = error.error_index
     if isinstance(error, mp.ProcessExitedException):
-        signal_name = error.signal_name
-        reason = f"killed by {signal_name}" if signal_name else f"exited with code {error.exit_code}"
+        reason = f"killed by {error.signal_name}" if error.signal_name else f"exited with code {error.exit_code}"
     else:  # a traceback: the exception's line follows the last frame's indented lines
         lines = error.msg.rstrip().splitlines()
         reason = lines[max(i for i, line in enumerate(lines) if line.startswith(" ")) + 1]
@@ -116,26 +126,9 @@ def _stop(processes: list) -> None:
             process.join()
 
 
-@contextlib.contextmanager
-def _sigint_held_from_children() -> Iterator[None]:
-    """SIGINT blocked in this thread while the body runs, and so for good in every process it starts (a mask
-    survives fork and exec), a forkserver still importing torch included; a Ctrl-C that came meanwhile is
-    delivered here when the body ends. A terminal signals the whole process group: each worker would print a
-    KeyboardInterrupt traceback. This process answers it alone (stopping the workers with SIGTERM)."""
-    # multiprocessing's resource tracker, started with the first process, unblocks SIGINT after starting
-    # itself: started first, it cannot undo the mask below.
-    multiprocessing.resource_tracker.ensure_running()
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
 def die_with_parent() -> None:
-    """Has the kernel SIGKILL this process when its parent (a launcher, a torchrun agent, a forkserver, which
-    exits with its launcher) dies (Linux; elsewhere a no-op): it would otherwise train on with nobody to
-    report to, or hang in a collective. torch's launcher asks for SIGINT, which a worker here ignores."""
+    """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op):
+    it would otherwise train on with nobody to report to, or hang in a collective."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -144,9 +137,8 @@ def die_with_parent() -> None:
 
 
 def _loopback_store(port: int) -> dist.TCPStore:
-    """The job's rendezvous store, served from this process on 127.0.0.1:``port`` (0: a free one, held until the
-    job ends: a fixed port collides with a run in TIME_WAIT, pytorch/pytorch#11324). TCPStore binds every
-    interface when it opens its own socket, so it gets one bound to loopback."""
+    """The job's rendezvous store, served here on 127.0.0.1:``port`` (0: a free one, held until the job ends,
+    pytorch/pytorch#11324): TCPStore binds every interface when it opens its own socket, so it gets this one."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", port))
     listener.listen()
