@@ -110,6 +110,19 @@ def test_a_stuck_rank_ends_the_job_by_the_process_groups_timeout_naming_the_like
     assert_all_gone(tmp_path, 2)  # the stopped rank too
 
 
+def _aborted_by_a_watchdog(rank: int, world_size: int, pid_dir: str) -> None:
+    Path(pid_dir, str(os.getpid())).touch()
+    if rank == 0:
+        os.abort()  # as NCCL's watchdog ends a rank whose collective waited dist.timeout_s
+    time.sleep(120)  # rank 1: stuck, still running
+
+
+def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path):
+    with pytest.raises(WorkerFailed, match=r"^rank 0 failed: killed by SIGABRT .*dist.timeout_s.*join\(\)"):
+        spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
+    assert_all_gone(tmp_path, 2)
+
+
 # --- issue 38: a log that does not exist is never named ------
 
 

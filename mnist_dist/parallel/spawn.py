@@ -105,10 +105,10 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_pa
     else:  # a traceback: the exception's line follows the last frame's indented lines
         lines = error.msg.rstrip().splitlines()
         reason = lines[max(i for i, line in enumerate(lines) if line.startswith(" ")) + 1]
-    if "timed out" in reason.lower():
+    if "timed out" in reason.lower() or reason == "killed by SIGABRT":  # SIGABRT: how NCCL's watchdog ends a wait
         reason += (
-            " (the process group's timeout, dist.timeout_s: another rank is stuck, or the ranks ran different numbers "
-            "of steps; give every rank the same number of batches, or train inside join())"
+            " (if it waited in a collective for dist.timeout_s: another rank is stuck, or the ranks ran different "
+            "numbers of steps; give every rank the same number of batches, or train inside join())"
         )
     path = None if log_path is None else log_path.format(rank=rank)
     log = f" (log: {path})" if path and os.path.isfile(path) else ""  # a rank may fail before opening its log
