@@ -1,9 +1,10 @@
-"""The parent: resolve the topology, prepare the data once, then run the workers and watch them.
+"""The one launch path: resolve the topology, validate once, prepare the data, then run the workers.
 
-Three ways in, one worker (``mnist_dist.train.train``), chosen by the mode table (mnist_dist/modes.py): a
-one-process mode runs it here; a mode of one process per device spawns them (``mnist_dist.parallel.spawn``,
-which stops the job when one fails and names the rank); under torchrun or srun this process *is* a worker,
-and local rank 0 prepares the data while the others wait at a barrier (how the app runs across nodes).
+One worker (``mnist_dist.train.train``), set up in one order, chosen by the mode table (mnist_dist/modes.py):
+a one-process mode runs it here; a mode of one process per device starts them with torch's launcher
+(``mnist_dist.parallel.spawn``, which stops the job when one fails and names the rank); under torchrun or
+srun this process *is* a worker, and does what the parent does for its own (data: under a lock, once).
+Every worker reads its rank, the world's size and the rendezvous from the environment, whoever started it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch.distributed as dist
-
 from mnist_dist.config import Config, data_root, validate
-from mnist_dist.data import prepare, raw_dir
+from mnist_dist.data import prepare
 from mnist_dist.modes import MODES, Processes
 from mnist_dist.operations import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.operations.console import config_line
@@ -37,20 +36,34 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     resume changes (the settings they name, and those that differ from the defaults). Without them a setting
     equal to its default counts as not set on resume; every caller in the package passes them.
     """
-    if launcher():
-        return _as_torchrun_worker(cfg, run_dir, overrides)  # resume= read there, with rank 0's run directory
+    by, asked = launcher(), cfg.gpus
+    if by:
+        die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
+        if by == "srun":
+            preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
+        topology = from_env(cfg)
+        setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
+        run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
     cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
-    topology = resolve(cfg)
+    if by:
+        cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
+    else:
+        topology = resolve(cfg)
     validate(cfg, topology)
+    if by:
+        cfg.gpus = topology.world_size  # what runs, as config.yaml records it
     if saved:
         compatibility.check_resumable(saved, cfg)
     mode = MODES[cfg.mode.name]
-    if topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
+    if not by and topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
-    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # before any worker exists
+    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # under a lock: once per machine
     guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
-    log.info("config: %s (all of it in config.yaml)", config_line(overrides))
+    if topology.rank == 0:
+        log.info("config: %s (all of it in config.yaml)", config_line(overrides))
+    if by:
+        return train(cfg, run_dir, data_dir, topology)
     if mode.processes is Processes.ONE:
         return _worker(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
@@ -58,40 +71,17 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    worker_args = (cfg, run_dir, data_dir, topology)
-    spawn(_spawned_worker, topology.world_size, *worker_args, log_path=log_path, port=cfg.dist.port, start_method=start)
+    args = (cfg, run_dir, data_dir)
+    spawn(_spawned_worker, topology.world_size, *args, log_path=log_path, port=cfg.dist.port, start_method=start)
     return None
 
 
-def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> None:
-    _worker(cfg, run_dir, data_dir, topology.for_rank(rank))
+def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path) -> None:
+    _worker(cfg, run_dir, data_dir, from_env(cfg))  # spawn set what torchrun sets
 
 
 def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> dict:
     setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
-    return train(cfg, run_dir, data_dir, topology)
-
-
-def _as_torchrun_worker(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict:
-    die_with_parent()  # the agent: a worker whose agent was killed must not train on alone
-    if launcher() == "srun":
-        preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
-    topology = from_env(cfg)
-    validate(cfg, topology)  # before the process group, which a rank that failed would leave the others waiting in
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
-    run_dir = rundir.on_this_node(run_dir)  # rank 0's Hydra chose it (see __main__); each node creates it
-    cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
-    cfg.gpus = topology.world_size  # what runs, as config.yaml records it: not gpus=, nor a resumed run's gpus
-    if saved:
-        validate(cfg, topology)  # the checkpoint's config, with what the command sets
-        compatibility.check_resumable(saved, cfg)
-    if topology.local_rank == 0:
-        prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)
-    dist.barrier()  # the other local ranks open the files only once they are complete
-    data_dir = raw_dir(cfg.data.name, data_root(cfg))
-    guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
-    if topology.rank == 0:
-        log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     return train(cfg, run_dir, data_dir, topology)
 
 

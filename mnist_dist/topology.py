@@ -20,7 +20,6 @@ from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import slurm
 from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
 from mnist_dist.operations.errors import ConfigError
-from mnist_dist.parallel.spawn import heartbeat
 
 if TYPE_CHECKING:
     from mnist_dist.config import Config  # which imports this module: config.validate checks a Topology
@@ -163,7 +162,6 @@ def fp32_precision(tf32: bool) -> None:
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
-    heartbeat("start-up", 0)
     if launcher() == "srun":
         return slurm.rendezvous_store(timeout)
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per

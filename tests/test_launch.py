@@ -154,3 +154,31 @@ def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "no CUDA device is visible: mode=dp_functional runs on the CPU in one process" in result.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["world_size"] == 1
+
+
+def test_a_torchrun_worker_checks_the_config_it_resumes_with_once(make_config, tmp_path, monkeypatch):
+    # before: it also checked the command's own config first, whose default batch_size=64 does not split over
+    # 3 ranks, though the checkpoint's batch_size=48, which the run goes on with, does
+    import mnist_dist.launch as launch_module
+
+    torchrun = {
+        "RANK": 0,
+        "WORLD_SIZE": 3,
+        "LOCAL_RANK": 0,
+        "LOCAL_WORLD_SIZE": 3,
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": 1,
+    }
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, str(value))
+    resumed = make_config("mode=ddp", "device=cpu", "batch_size=48")
+    monkeypatch.setattr(launch_module, "_resume", lambda cfg, run_dir, overrides: (resumed, run_dir, {"epoch_step": 0}))
+    monkeypatch.setattr(launch_module.compatibility, "check_resumable", lambda saved, cfg: None)
+    monkeypatch.setattr(launch_module, "die_with_parent", lambda: None)  # not this test process
+    monkeypatch.setattr(launch_module, "setup_process", lambda *args: None)  # no other rank will come
+    monkeypatch.setattr(launch_module.rundir, "on_this_node", lambda run_dir: run_dir)
+    checked, validate = [], launch_module.validate
+    monkeypatch.setattr(launch_module, "validate", lambda cfg, topology: validate(cfg, topology) or checked.append(cfg))
+    monkeypatch.setattr(launch_module, "train", lambda cfg, run_dir, data_dir, topology: {"ranks": topology.world_size})
+    assert launch_module.launch(make_config("mode=ddp", "device=cpu", "resume=auto"), tmp_path) == {"ranks": 3}
+    assert [cfg.batch_size for cfg in checked] == [48]

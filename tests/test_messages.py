@@ -1,6 +1,5 @@
 """Messages that were unclear (issue 27): each is one line now, saying what to do. The others of that list
-are beside the code they test: an empty split in test_data, leftover torchrun variables in test_slurm, a
-killed forkserver in test_spawn."""
+are beside the code they test: an empty split in test_data, leftover torchrun variables in test_slurm."""
 
 import subprocess
 import sys

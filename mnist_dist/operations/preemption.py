@@ -16,8 +16,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from mnist_dist.parallel import heartbeat
-
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _GRACE_S = 5.0  # for the handler to stop the job before the watching thread does
@@ -74,9 +72,7 @@ def _watch_start_up(handled: list[bool]) -> None:
 
 def requested(step: int) -> str | None:
     """Called on every rank after each step (a collective when installed): the signal that asks to stop,
-    if any rank got one by the step before. Also this rank's heartbeat, for the launcher to say where a
-    rank that stops responding was."""
-    heartbeat("training", step)
+    if any rank got one by the step before."""
     if not _installed:
         return None
     if not _group:

@@ -26,10 +26,9 @@ from __future__ import annotations
 # ("terminate called without an active exception"). Imported here, its defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 
-from mnist_dist.parallel._supervise import WorkerFailed
 from mnist_dist.parallel.ddp_extras import DistributedDataParallel  # the core (ddp.py) and join(), compression
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
-from mnist_dist.parallel.spawn import heartbeat, spawn
+from mnist_dist.parallel.spawn import WorkerFailed, spawn
 from mnist_dist.parallel.state import buffers_from_rank0, plain_state_dict, unwrap
 
 __all__ = [
@@ -41,6 +40,5 @@ __all__ = [
     "plain_state_dict",
     "buffers_from_rank0",
     "spawn",
-    "heartbeat",
     "WorkerFailed",
 ]
