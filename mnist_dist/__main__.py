@@ -155,7 +155,7 @@ if __name__ == "__main__":
         except KeyboardInterrupt:  # between a sweep's runs, or as one ends
             interrupted("interrupted; every run that printed its run directory is complete")
         except HydraException as error:
-            sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
+            sys.exit(f"error: {describe_hydra_error(error)}")
         except OSError as error:  # Hydra could not create the run directory
             sys.exit(f"error: {describe_os_error(error)}")
         except Exception as error:  # before any run directory exists: nowhere to keep a traceback
