@@ -11,7 +11,6 @@ Any key of mnist_dist/config.py can be overridden; a misspelt one is an error.
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import shutil
@@ -48,7 +47,6 @@ from mnist_dist.step import TrainingDiverged
 
 def main() -> None:
     """The command: Hydra composes the config from ``sys.argv`` and runs the job in its directory."""
-    rundir.note_explicit(sys.argv)  # before Hydra makes it: a hydra.run.dir that exists is the user's
     _run()
 
 
@@ -56,19 +54,19 @@ def main() -> None:
 def _run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.time()
-    fresh = rundir.made_here(run_dir)  # this launch made it: it may go again if the run leaves nothing
     written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
     outcome = Outcome()
     try:
         raise_on_interrupt()  # Hydra is done composing: from now on `finally` clauses stop the workers
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
-        logging.getLogger("mnist_dist").setLevel(logging.INFO)
-        refuse_unknown_keys(cfg)  # before to_object, which drops them
-        config: Config = OmegaConf.to_object(cfg)  # launch checks it (config.validate), once its topology is known
-        written = _directories_written(config, run_dir)
         with ExitStack() as held:
-            for directory in written:
-                held.enter_context(rundir.owned(directory))  # refused while a live run writes there
+            if not launched_rank():  # under torchrun or srun rank 0 holds it (its run_dir; the others': the cwd)
+                held.enter_context(rundir.owned(run_dir))  # refused while a live run writes there
+                outcome.fresh = rundir.made_for(run_dir)  # read under the lock: another launch may have made it
+            refuse_unknown_keys(cfg)  # before to_object, which drops them
+            config: Config = OmegaConf.to_object(cfg)  # launch checks it (config.validate), once its topology is known
+            written = _directories_written(config, run_dir)
+            if written and written[0].resolve() != run_dir.resolve():  # a resume goes on in its run's directory
+                held.enter_context(rundir.owned(written[0]))
             launch(config, run_dir, HydraConfig.get().overrides.task)
         outcome.finished = True
         exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
@@ -86,13 +84,15 @@ def _run(cfg: DictConfig) -> None:
         outcome.keep_logs = True
         sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
     finally:
-        _tidy(run_dir, fresh, outcome)
+        _tidy(run_dir, outcome)
 
 
 @dataclass
 class Outcome:
-    """How the run ended, for ``_tidy``: finished, or failed keeping the logs its error line names."""
+    """How the run ended, for ``_tidy``: finished, or failed keeping the logs its error line names; and whether
+    this launch's Hydra made the run directory, found so under its lock (it may then go again)."""
 
+    fresh: bool = False
     finished: bool = False
     keep_logs: bool = False
 
@@ -120,17 +120,17 @@ def _directories_written(config: Config, run_dir: Path) -> list[Path]:
     return [checkpoint.locate(config.resume).parent] if explicit else [run_dir]
 
 
-def _tidy(run_dir: Path, fresh: bool, outcome: Outcome) -> None:
+def _tidy(run_dir: Path, outcome: Outcome) -> None:
     """Leaves nothing of a run that failed before a checkpoint, so that it shows in no TensorBoard; only the
     rank logs stay when the error line names one. A directory this launch did not make, or one with a
     checkpoint, is left as it is; a resume's fresh directory, unused since the run went on in its old one, goes."""
-    if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
+    if run_dir == Path.cwd() or not run_dir.is_dir() or not outcome.fresh:
         return
     names = {p.name for p in run_dir.iterdir()}
-    unused = names <= {rundir.LOCK}  # failed before training, or resumed in its old directory
+    unused = names <= rundir.HYDRA_OWN | {rundir.LOCK}  # failed before training, or resumed in its old directory
     failed = not outcome.finished and "checkpoint.pt" not in names and not launcher()
     if unused or (failed and not outcome.keep_logs):
-        shutil.rmtree(run_dir, ignore_errors=True)
+        rundir.remove(run_dir)
     elif failed:
         for path in run_dir.iterdir():
             if path.is_dir():
@@ -144,7 +144,7 @@ if __name__ == "__main__":
         # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
         # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
         if launched_rank():
-            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
+            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra.job_logging.root.handlers=[console]"]
     except ConfigError as error:  # RANK=abc, RANK=5 with WORLD_SIZE=2: before Hydra, one line
         sys.exit(f"error: {error}")
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
@@ -154,9 +154,14 @@ if __name__ == "__main__":
             main()
         except KeyboardInterrupt:  # between a sweep's runs, or as one ends
             interrupted("interrupted; every run that printed its run directory is complete")
-        except HydraException as error:
-            sys.exit(f"error: {describe_hydra_error(error, sys.argv[1:])}")
+        except HydraException as error:  # a sweep's typo is found as its first job is composed
+            for sweep in rundir.sweeps:
+                if sweep.is_dir() and rundir.made_for(sweep, {"multirun.yaml"}):
+                    rundir.remove(sweep)
+            sys.exit(f"error: {describe_hydra_error(error)}")
         except OSError as error:  # Hydra could not create the run directory
             sys.exit(f"error: {describe_os_error(error)}")
         except Exception as error:  # before any run directory exists: nowhere to keep a traceback
+            if isinstance(error.__cause__, OSError):  # Hydra could not open its log in the run directory
+                sys.exit(f"error: {describe_os_error(error.__cause__)}")
             sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

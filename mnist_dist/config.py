@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import inspect
 import math
 import os
-import re
 import socket
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from torch import nn
 
 from mnist_dist.modes import MODES, Processes, compile_refusal
 from mnist_dist.operations import guards
@@ -128,6 +127,7 @@ def validate(cfg: Config, topology: Topology) -> None:
     spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
     launcher's variables and devices as the topology is read, the data's size (guards), a checkpoint (compatibility)."""
     _each_setting(cfg)  # first: the checks below compute with them
+    _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
     if by and cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
         raise ConfigError(
@@ -196,6 +196,36 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")
 
 
+def _check_model(model: dict) -> None:
+    """The model's target and its arguments, here in the parent: a misspelt argument or a target that is no
+    Module is one line before any worker starts, not one traceback per rank."""
+    target = str(model.get("_target_"))
+    module, _, name = target.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(
+            f"model._target_={target} cannot be imported ({error}); check the name, and make its module importable: "
+            "usually PYTHONPATH=<the directory that holds the package> python -m mnist_dist ..."
+        ) from None
+    if not callable(factory) or (isinstance(factory, type) and not issubclass(factory, nn.Module)):
+        raise ConfigError(
+            f"model._target_={target} is not a torch.nn.Module class; name one, e.g. mnist_dist.model.ConvNet"
+        )
+    try:
+        parameters = inspect.signature(factory).parameters
+    except ValueError:  # no signature to read (a C function): the worker's instantiate says what fails
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for key in model:
+        if not str(key).startswith("_") and key not in parameters:
+            raise ConfigError(
+                f"model._target_={target} takes no argument {key!r}, which the model config passes; add "
+                f"~model.{key} to the command line to leave it out"
+            )
+
+
 def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
     """A key that ``+key=...`` added where the schema has none: OmegaConf.to_object would drop it silently
     (``+num_workers=2`` trained as if never said). model, optim and scheduler take any key (their
@@ -219,74 +249,28 @@ def data_root(cfg: Config) -> str:
     return os.path.expanduser(cfg.data.root)
 
 
-def describe_hydra_error(error: Exception, overrides: Sequence[str] | None = None) -> str:
-    """Hydra's composition errors span several lines; say the same in one, from their fields.
-
-    ``overrides``: the command line's, if known. A key that a group's chosen YAML does not have (``~model.dropout``
-    with ``recipe=fast``, whose FastNet has ``widths``) is then said with that option's keys.
-    """
+def describe_hydra_error(error: Exception) -> str:
+    """Hydra's composition errors span several lines; the same in one, from the exception's fields (its text is
+    read no further than its first line)."""
     if isinstance(error, MissingConfigException) and error.options is not None:
         # mode=foo: name the group's options rather than Hydra's search path
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
-    if isinstance(error, OverrideParseException) and str(error).startswith("LexerNoViableAltException"):
-        key, _, value = error.override.partition("=")  # an em dash, an accented letter: Hydra takes them quoted
-        quote = f"the value holds a character Hydra's override syntax takes only quoted; quote it: '{key}=\"{value}\"'"
-        return f"{error.override}: {quote}"
-    deleted = re.match(r"Could not delete from config\. '(\w+)\.([\w.]+)' does not exist", str(error))
-    if deleted:
-        group, key = deleted.groups()
-        chosen = _chosen(group, key, overrides)
-        where = (
-            f"{chosen[0]} has no {key!r} (its keys: {', '.join(chosen[1])})" if chosen else f"{group} has no {key!r}"
-        )
-        return f"~{group}.{key}: nothing to remove, {where}; leave ~{group}.{key} out"
+    if isinstance(error, OverrideParseException):  # an em dash, a space: the grammar takes them quoted
+        return f"{error.override}: not an override Hydra can parse; quote the value: key='value'"
     message = str(error).splitlines()[0].rstrip(".")
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException):
         message += f": {cause.msg.splitlines()[0]}"
-        schema = getattr(cause, "object_type", None)
-        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and hasattr(schema, "__dataclass_fields__"):
-            fields = list(schema.__dataclass_fields__)
-            guess = _guess(str(cause.key), fields, overrides or []) if schema is Config else _close(cause.key, fields)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        schema = cause.object_type
+        if dataclasses.is_dataclass(schema):
+            fields = [f.name for f in dataclasses.fields(schema)]
+            guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
             message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
-        elif isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "." in (cause.full_key or ""):
-            group, key = cause.full_key.split(".", 1)
-            chosen = _chosen(group, key, overrides)
-            if chosen:
-                message += f"; {chosen[0]} has {', '.join(chosen[1])} (+{cause.full_key}=... adds a key)"
+        else:  # model, optim, scheduler: a constructor's arguments, any of which may be added
+            message += f"; +{cause.full_key}=... adds it"
     return message
-
-
-def _close(key: object, keys: Sequence[str]) -> str | None:
-    return next(iter(difflib.get_close_matches(str(key), keys, n=1, cutoff=0.75)), None)
-
-
-def _guess(key: str, fields: list[str], overrides: Sequence[str]) -> str | None:
-    """What a top-level ``key`` that Config lacks may have meant: a group's key of that name (``lr``: optim.lr,
-    in the options the other overrides choose), else a top-level key spelt alike (``epoch``: epochs)."""
-    cfg = _compose_without(key, overrides) or {}
-    groups = [f"{name}.{key}" for name in fields if OmegaConf.is_dict(cfg.get(name)) and key in cfg[name]]
-    return groups[0] if groups else _close(key, fields)
-
-
-def _chosen(group: str, key: str, overrides: Sequence[str] | None) -> tuple[str, list[str]] | None:
-    """``("model=fastnet", its keys)``: the option of ``group`` that ``overrides`` choose, composed without
-    the ones that touch ``group.key``; None if they are not known or do not compose either."""
-    cfg = None if overrides is None else _compose_without(f"{group}.{key}", overrides)
-    return None if cfg is None else (f"{group}={cfg.hydra.runtime.choices[group]}", list(cfg[group]))
-
-
-def _compose_without(key: str, overrides: Sequence[str]) -> DictConfig | None:
-    """The config ``overrides`` compose without those that set ``key``; None if they do not compose (a sweep
-    ``a,b``, another mistake)."""
-    rest = [o for o in overrides if not o.startswith("-") and o.lstrip("~+").split("=")[0] != key]
-    try:
-        GlobalHydra.instance().clear()  # the command's own Hydra may still hold it
-        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-            return compose("config", overrides=rest, return_hydra_config=True)
-    except Exception:
-        return None
 
 
 ConfigStore.instance().store(name="schema", node=Config)

@@ -1,5 +1,6 @@
 """Config composition, the schema's errors, and validation of numbers, through Hydra and the CLI."""
 
+import re
 import subprocess
 import sys
 
@@ -76,35 +77,26 @@ def test_unknown_key_fails_while_composing():
 
 
 @pytest.mark.parametrize(
-    "override, expected",
+    "overrides, key",
     [
-        (
-            "epoch=3",
-            "error: Could not override 'epoch': Key 'epoch' not in 'Config'; did you mean epochs? valid keys: mode,",
-        ),
-        ("mode.nme=x", "Key 'nme' not in 'SingleMode'; did you mean name? valid keys: name\n"),
-        (
-            "mode.overlap=false",  # a knob of another mode
-            "error: Could not override 'mode.overlap': Key 'overlap' not in 'SingleMode'; valid keys: name\n",
-        ),
-        ("amp=fp8", "error: Error merging override amp=fp8: Invalid value 'fp8', expected one of [off, bf16, fp16]\n"),
-        (
-            "epochs=abc",
-            "error: Error merging override epochs=abc: Value 'abc' of type 'str' could not be converted to Integer",
-        ),
-        (
-            "mode=foo",
-            "error: mode=foo is not an option; choose one of "
-            "ddp, dp, dp_block, dp_functional, fsdp, single, split, torch_ddp",
-        ),
+        (["epoch=3"], "'epoch'.*did you mean epochs\\? valid keys: mode,"),
+        (["mode.nme=x"], "'nme' not in 'SingleMode'; did you mean name\\? valid keys: name$"),
+        (["mode.overlap=false"], "'overlap' not in 'SingleMode'; valid keys: name$"),  # a knob of another mode
+        (["colour=red"], "'colour' not in 'Config'; valid keys: "),  # nothing like it: no guess
+        (["amp=fp8"], "amp=fp8: Invalid value 'fp8', expected one of \\[off, bf16, fp16\\]"),
+        (["epochs=abc"], "epochs=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+        (["mode=foo"], "mode=foo is not an option; choose one of ddp, dp, dp_block, dp_functional, fsdp, single,"),
+        (["recipe=fast", "~model.dropout"], "'model.dropout' does not exist"),
+        (["recipe=fast", "model.dropout=false"], "'model.dropout'.*\\+model.dropout=... adds it"),
+        (["hydra.run.dir=/a\u2014b"], "hydra.run.dir=/a\u2014b: not an override Hydra can parse; quote the value"),
     ],
 )
-def test_composition_errors_are_one_line(override, expected):
+def test_composition_errors_are_one_line_naming_the_key(overrides, key):
     """What the command line prints for each (in-process: a CLI process per case costs seconds each)."""
     with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
-        compose("config", overrides=[override])
-    line = f"error: {describe_hydra_error(error.value)}\n"
-    assert line.count("\n") == 1 and expected in line
+        compose("config", overrides=overrides)
+    line = describe_hydra_error(error.value)
+    assert "\n" not in line and re.search(key, line), line
 
 
 @pytest.mark.parametrize("mode, other", [("ddp", "no_such_knob"), ("torch_ddp", "overlap")])
@@ -119,50 +111,24 @@ def test_both_ddps_share_the_bucket_size_and_the_replicated_knobs(make_config, m
 
 
 @pytest.mark.parametrize(
-    "overrides, expected",
+    "overrides, key",
     [
-        (  # docs/CONVERTING.md's ~model.dropout, with a recipe whose model has none
-            ["recipe=fast", "~model.dropout"],
-            "error: ~model.dropout: nothing to remove, model=fastnet has no 'dropout' (its keys: _target_, widths); "
-            "leave ~model.dropout out\n",
-        ),
-        (
-            ["recipe=fast", "model.dropout=false"],
-            "error: Could not override 'model.dropout': Key 'dropout' is not in struct; model=fastnet has _target_, "
-            "widths (+model.dropout=... adds a key)\n",
-        ),
+        (["+model.dropuot=true"], "model._target_=mnist_dist.model.ConvNet takes no argument 'dropuot'"),
+        (["recipe=fast", "+model.dropout=true"], "FastNet takes no argument 'dropout'.*~model.dropout"),
+        (["model._target_=nowhere.Net"], "model._target_=nowhere.Net cannot be imported .*nowhere"),
+        (["model._target_=collections.OrderedDict"], "model._target_=collections.OrderedDict is not a torch.nn.Module"),
     ],
 )
-def test_a_key_the_chosen_model_lacks_is_one_line_with_its_keys(overrides, expected):
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
-        compose("config", overrides=overrides)
-    assert f"error: {describe_hydra_error(error.value, overrides)}\n" == expected
-
-
-@pytest.mark.parametrize(
-    "overrides, expected",
-    [
-        (["lr=0.1"], "Key 'lr' not in 'Config'; did you mean optim.lr? valid keys: mode, model, "),
-        (["dropout=false"], "Key 'dropout' not in 'Config'; did you mean model.dropout? valid keys: "),
-        (["recipe=fast", "widths=[8,16]"], "Key 'widths' not in 'Config'; did you mean model.widths? valid keys: "),
-        (["epoch=3"], "Key 'epoch' not in 'Config'; did you mean epochs? valid keys: "),
-        (["mode.nme=x"], "Key 'nme' not in 'SingleMode'; did you mean name? valid keys: name"),
-        (["colour=red"], "Key 'colour' not in 'Config'; valid keys: "),  # nothing like it: no guess
-    ],
-)
-def test_a_misplaced_key_says_where_it_lives(overrides, expected):
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"), pytest.raises(HydraException) as error:
-        compose("config", overrides=overrides)
-    line = f"error: {describe_hydra_error(error.value, overrides)}\n"
-    assert line.count("\n") == 1 and expected in line, line
+def test_a_model_the_parent_cannot_build_is_named_before_any_worker(make_config, overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        validate_here(make_config(*overrides))
 
 
 def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
     result = cli("mode=single", "mode.overlap=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert result.returncode == 1
-    assert result.stderr == (
-        "error: Could not override 'mode.overlap': Key 'overlap' not in 'SingleMode'; valid keys: name\n"
-    )
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "'overlap' not in 'SingleMode'" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -371,33 +371,6 @@ def test_a_checkpoint_of_another_format_is_refused_naming_it(trained, tmp_path, 
 
 
 @pytest.mark.slow
-def test_two_launches_at_once_get_two_directories_and_share_the_data(tmp_path):
-    from mnist_dist.tools.synthetic import write_idx
-
-    assert "${unique_dir:outputs/${now:" in Path("conf/config.yaml").read_text()  # the default uses it
-    write_idx(tmp_path / "data" / "MNIST" / "raw")
-    # The default's name with the time fixed, so that both launches ask for the same directory. (Two
-    # prepares fetching at once: tests/test_data.py; a local folder must hold the real data's md5s.)
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "mnist_dist", f"data.root={tmp_path}/data", "data.mirrors=[]"]
-            + ["progress=false", "epochs=1", "batch_size=32", "hydra.run.dir=${unique_dir:outputs/same_second}"],
-            cwd=tmp_path,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    for run in runs:
-        assert run.wait(timeout=HANG_S) == 0, run.stderr.read()
-    dirs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
-    assert dirs == ["same_second", "same_second_2"]
-    for name in dirs:  # each launch wrote a whole run into its own directory
-        assert (tmp_path / "outputs" / name / "results.json").is_file()
-        assert len((tmp_path / "outputs" / name / "rank_0.log").read_text().split("results: ")) == 2
-
-
-@pytest.mark.slow
 def test_a_directory_a_live_run_writes_to_is_refused(tiny_root, tmp_path):
     first = start(
         tmp_path,

@@ -4,19 +4,24 @@ full disk is one error naming what could not be written. Each test failed on com
 import errno
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers import compose_config
+from helpers import HANG_S, compose_config
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint
-from mnist_dist.operations.errors import RankLogHandler, log_thread_errors
+from mnist_dist.operations.errors import log_thread_errors
+from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.operations.tensorboard import Scalars
+from mnist_dist.tools.synthetic import write_idx
 
 TINY = ("data.mirrors=[]", "progress=false", "batch_size=32")
 
@@ -30,7 +35,9 @@ def trained(tiny_root, tmp_path_factory):
 
 
 def contents(run: Path) -> dict:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.stat().st_size}
+    """What the run wrote; Hydra's own record of the latest launch (.hydra/, mnist_dist.log) is Hydra's."""
+    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.stat().st_size]
+    return {str(p.relative_to(run)): p.read_bytes() for p in written if p.relative_to(run).parts[0] not in HYDRA_OWN}
 
 
 def test_a_fresh_launch_into_a_finished_run_replaces_nothing(tiny_root, trained, tmp_path, cli_in_process):
@@ -43,6 +50,23 @@ def test_a_fresh_launch_into_a_finished_run_replaces_nothing(tiny_root, trained,
         "replace; pass another hydra.run.dir"
     )
     assert contents(run) == before  # results, model, the one TensorBoard run
+
+
+@pytest.mark.slow
+def test_two_launches_into_one_directory_at_once_never_share_it(tmp_path):
+    """Hydra names the default directory by the second: two launches in one second ask for the same one. One
+    trains; the other is refused, by the live run's lock or by the finished run it would replace."""
+    write_idx(tmp_path / "data" / "MNIST" / "raw")
+    argv = [sys.executable, "-m", "mnist_dist", f"data.root={tmp_path}/data", *TINY, "epochs=1"]
+    runs = [
+        subprocess.Popen([*argv, "hydra.run.dir=outputs/same_second"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    codes = [run.wait(timeout=HANG_S) for run in runs]
+    refused = runs[codes.index(1)].stderr.read()
+    assert sorted(codes) == [0, 1] and re.search("in use by another run|holds a finished run", refused), refused
+    run = tmp_path / "outputs" / "same_second"
+    assert (run / "results.json").is_file() and (run / "rank_0.log").read_text().count("results: ") == 1
 
 
 def test_a_fresh_launch_into_an_unfinished_run_says_resume_auto(tiny_root, trained, tmp_path):
@@ -93,23 +117,3 @@ def test_a_full_disk_under_tensorboard_is_one_error_naming_its_directory(tmp_pat
     assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(tmp_path / "tb"))
     assert "Traceback" not in capfd.readouterr().err
     threading.excepthook = threading.__excepthook__
-
-
-def test_a_full_disk_under_the_rank_log_is_one_error_naming_it(tmp_path, capfd):
-    log = logging.getLogger("test_run_integrity.rank")
-    handler = RankLogHandler(tmp_path / "rank_0.log")
-    log.addHandler(handler)
-    try:
-        log.warning("opened")
-
-        def full(text):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        handler.stream.write = full
-        with pytest.raises(OSError) as error:
-            log.warning("no room for this")
-    finally:
-        log.removeHandler(handler)
-        handler.close()
-    assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(tmp_path / "rank_0.log"))
-    assert "Logging error" not in capfd.readouterr().err

@@ -40,7 +40,7 @@ def _plain(state: dict) -> Any:
 def saved_settings(state: dict) -> dict:
     """What the resume check compares, from the checkpoint's config read as plain data: model, batch_size,
     epochs, the data set's name and the mode's. Never through OmegaConf, whose interpolations and resolvers
-    (``${oc.env:...}``, or mnist_dist's ``unique_dir``, which creates directories) a crafted file would run."""
+    (``${oc.env:...}``, or any registered resolver) a crafted file would run."""
     saved = _plain(state)
     try:
         settings = {key: saved[key] for key in ("model", "batch_size", "epochs")}

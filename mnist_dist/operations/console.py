@@ -1,6 +1,6 @@
 """What rank 0 shows on the console (docs/running.md): the command line's overrides in one line (the full
 config goes to config.yaml and the log file), the progress (a tqdm bar in a terminal, else a log line every
-``interval_s``, so that a run in CI is visibly alive), one line of results, and a sweep's directory."""
+``interval_s``, so that a run in CI is visibly alive), and one line of results."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from hydra.experimental.callback import Callback
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -38,14 +36,6 @@ def summary_line(results: dict) -> str:
         f"test accuracy {100 * results['test_accuracy']:.2f} %, loss {results['test_loss']:.4f}; "
         f"{results['steps']} steps in {wall} ({results['train_time_s']:.1f} s training), {speed}"
     )
-
-
-class SweepSummary(Callback):
-    """At the end of a ``-m`` sweep (conf/config.yaml registers it): its directory, and how to look at it."""
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep = Path(config.hydra.sweep.dir).resolve()  # Hydra's ${now:} is resolved once per process
-        sys.stderr.write(f"sweep directory: {sweep}\ncompare its runs: tensorboard --logdir {sweep}\n")
 
 
 def terminal_size(stream: TextIO) -> tuple[int, int] | None:

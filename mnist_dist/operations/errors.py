@@ -58,18 +58,6 @@ def last_resort(error: BaseException, log: Path) -> str:
         return f"error: {first} (no log: {log} cannot be written)"
 
 
-class RankLogHandler(logging.FileHandler):
-    """A FileHandler that fails the run when it cannot write (a full disk) instead of printing "--- Logging
-    error ---" and a traceback on stderr for every record: the OSError names the log."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        error = sys.exc_info()[1]
-        if not isinstance(error, OSError):
-            return super().handleError(record)
-        self.close()  # the next record opens it again (or fails the same way)
-        raise OSError(error.errno, error.strerror, self.baseFilename) from None
-
-
 def log_thread_errors(log: logging.Logger) -> None:
     """A library thread that dies (TensorBoard's writer on a full disk) has its traceback logged to the
     rank's log file rather than printed on the console; the library says the error again to its caller."""
@@ -88,7 +76,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
-    handlers = [RankLogHandler(run_dir / f"rank_{rank}.log")]
+    handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
         console = logging.StreamHandler()
         console.addFilter(lambda record: record.exc_info is None and not getattr(record, "file_only", False))

@@ -1,109 +1,74 @@
-"""Run directories that are never shared: unique names, a lock held by the live run, and under torchrun
-the same directory created on every node.
-
-Hydra names the default directory by the second (``outputs/<date>/<time>_<mode>``), so two launches
-in the same second would write into one directory. ``${unique_dir:...}`` in conf/config.yaml claims
-the name with an atomic mkdir and adds ``_2``, ``_3``, ... when another launch has it; a directory
-given explicitly (``hydra.run.dir=...``) is protected by the lock instead.
-"""
+"""Run directories that are never shared: Hydra names them (conf/config.yaml), the live run holds a lock in
+its own, a fresh run refuses one that holds another run's results or checkpoint, and under torchrun every node
+creates rank 0's."""
 
 from __future__ import annotations
 
-import fcntl
-import itertools
 import os
+import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from filelock import FileLock, Timeout
+from hydra.experimental.callback import Callback
 
 from mnist_dist.config import ConfigError
 
 LOCK = ".run.lock"  # in the run directory, held for the lifetime of the run that writes there
-_claimed: dict[object, str] = {}  # Hydra resolves the run directory more than once: the same answer each time
-_made: set[Path] = set()  # directories this process created for its runs: the only ones it may remove
+HYDRA_OWN = {".hydra", "mnist_dist.log"}  # what Hydra writes into a run directory as the job starts (conf/config.yaml)
+_existing: set[Path] = set()  # run and sweep directories there before Hydra made them: the user's, never removed
+sweeps: list[Path] = []  # the sweep directory of a -m launch
 
 
-def _claim(parent: Path, name: str) -> str:
-    """``name``, or ``name_<n>`` for the first n >= 2 free in ``parent``, created there (an atomic mkdir: of
-    two launches, exactly one creates it)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        candidate = f"{name}_{n}" if n > 1 else name
-        with suppress(FileExistsError):
-            os.mkdir(parent / candidate)
+class NoteExisting(Callback):
+    """Registered in conf/config.yaml: before Hydra creates the run or sweep directory, notes whether it exists."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        _note(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        sweeps.append(Path(config.hydra.sweep.dir))
+        _note(sweeps[-1])
+
+
+def _note(directory: Path) -> None:
+    if directory.exists():
+        _existing.add(directory.resolve())
+
+
+def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
+    """Whether this launch's Hydra created ``directory``: it then holds nothing but Hydra's ``hydra_own``."""
+    return directory.resolve() not in _existing and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
+
+
+def remove(directory: Path) -> None:
+    """``directory``, and the parents Hydra made for it alone under the working directory (outputs/<date>/)."""
+    directory = directory.resolve()
+    shutil.rmtree(directory, ignore_errors=True)
+    for parent in directory.parents:
+        if not parent.is_relative_to(Path.cwd()) or parent == Path.cwd() or any(parent.iterdir()):
             break
-    _made.add((parent / candidate).resolve())
-    return candidate
-
-
-def unique_dir(base: str) -> str:
-    """``base``, or ``base_<n>`` for the first n >= 2 that no other launch has claimed."""
-    if base not in _claimed:
-        _claimed[base] = str(Path(base).parent / _claim(Path(base).parent, Path(base).name))
-    return _claimed[base]
-
-
-def unique_subdir(sweep_dir: str, name: str, job: int) -> str:
-    """A sweep job's directory under ``sweep_dir``: ``name``, or ``name_<n>`` when an earlier job took it
-    (jobs that differ only in keys the name leaves out, such as ``data.root``, would share one)."""
-    key = (sweep_dir, name, int(job))
-    if key not in _claimed:
-        _claimed[key] = _claim(Path(sweep_dir), name)
-    return _claimed[key]
-
-
-def note_explicit(argv: list[str]) -> None:
-    """Before Hydra runs: a ``hydra.run.dir=`` that does not exist yet is this launch's to make (and to
-    remove if the run leaves nothing); one that exists is the user's, never removed."""
-    for arg in argv:
-        if arg.startswith("hydra.run.dir="):
-            path = Path(arg.partition("=")[2].strip("'\""))
-            if not path.exists():
-                _made.add(path.resolve())
-
-
-def made_here(run_dir: Path) -> bool:
-    """Whether this process created ``run_dir`` for its run (see ``unique_dir`` and ``note_explicit``)."""
-    return run_dir.resolve() in _made
-
-
-OmegaConf.register_new_resolver("unique_dir", unique_dir, replace=True)
-OmegaConf.register_new_resolver("unique_subdir", unique_subdir, replace=True)
+        parent.rmdir()
 
 
 @contextmanager
 def owned(run_dir: Path) -> Iterator[None]:
-    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. An flock:
-    the kernel releases it when its holder dies, however it dies. Its file goes when the body ends, removed
-    while still held (a launch that opened it just before finds the file it locked gone, and takes a new one)."""
-    path = run_dir / LOCK
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as error:  # /proc/self, a read-only mount: not a directory a run can write in
-            raise ConfigError(
-                f"{run_dir} cannot be a run directory: its lock {path} cannot be created ({error.strerror}); pass a "
-                "directory the run can write to as hydra.run.dir"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(
-                f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
-            ) from None
-        with suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        os.close(fd)  # removed by the run that held it as this launch opened it
+    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. The kernel
+    releases the lock when its holder dies, however it dies."""
+    lock = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(
+            f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
+        ) from None
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)  # releases the flock
+        lock.release()
 
 
 def refuse_another_run(run_dir: Path) -> None:

@@ -201,7 +201,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         out = fresh_dir(out)
         results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
     except HydraException as error:
-        message = describe_hydra_error(error, overrides)
+        message = describe_hydra_error(error)
         if "valid keys: " in message:
             message += f", {compare_options.OWN_KEYS} (compare's own)"
         sys.exit(f"error: {message}")

@@ -8,7 +8,7 @@ out=${1:-docs/tensorboard.png}
 log=$(mktemp /tmp/mnist_dist_sweep.XXXXXX.log)
 python -m mnist_dist -m mode=single,ddp,torch_ddp gpus=2 recipe=fast data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]' epochs=1 \
     2>&1 | tee "$log"
-sweep=$(sed -n 's/^sweep directory: //p' "$log") # the sweep's last lines say where it is
+sweep=$(dirname "$(sed -n 's/.*run directory: //p' "$log" | head -1)") # each run says where it is
 tensorboard --logdir "$sweep" --host 127.0.0.1 --port 6123 >"$sweep/tensorboard.log" 2>&1 &
 board=$!
 trap 'kill $board' EXIT

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         validate(cfg, resolve(cfg))
         parameters = sum(p.numel() for p in build(cfg).parameters())
     except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error, argv)}")
+        sys.exit(f"error: {describe_hydra_error(error)}")
     except ConfigError as error:
         sys.exit(f"error: {error}")
     print(
