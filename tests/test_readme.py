@@ -19,9 +19,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mnist_dist.config import validate
 from mnist_dist.modes import world_size
-from mnist_dist.tools.docs_numbers import ROOT, embed, main
 from mnist_dist.topology import Topology
 
+ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = ("bench.md", "compare.md", "tta.md", "sweep.md", "ablation.md")
@@ -112,15 +112,6 @@ def anchors(page: Path) -> set[str]:
     return {slug(heading) for heading in re.findall(r"^#+ (.+)$", prose(page.read_text()), re.M)}
 
 
-def test_embed_replaces_only_the_marked_block():
-    page = "intro\n<!-- begin compare.md -->\nold table\n<!-- end compare.md -->\nrest\n"
-    assert embed(page, "compare.md", "machine: x\n\n| new |\n") == (
-        "intro\n<!-- begin compare.md -->\nmachine: x\n\n| new |\n<!-- end compare.md -->\nrest\n"
-    )
-    with pytest.raises(ValueError, match=re.escape("<!-- begin bench.md -->")):
-        embed(page, "bench.md", "x")
-
-
 def test_each_number_block_lives_in_exactly_one_page():
     for name in BLOCKS:
         holders = [page.relative_to(ROOT) for page in PAGES if f"<!-- begin {name} -->" in page.read_text()]
@@ -129,43 +120,6 @@ def test_each_number_block_lives_in_exactly_one_page():
         assert text.count(f"<!-- begin {name} -->") == text.count(f"<!-- end {name} -->") == 1, name
         block = text.split(f"<!-- begin {name} -->\n")[1].split(f"<!-- end {name} -->")[0]
         assert block.startswith("machine: "), f"{name} in {holders[0]} does not name its machine first"
-
-
-def test_the_command_refreshes_the_blocks_in_the_readme_and_in_docs_pages(tmp_path):
-    for name in ("bench", "compare", "tta", "sweep", "ablation"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / f"{name}.md").write_text(f"machine: test\n\n| {name} |\n")
-        if name != "ablation":  # the ablation's table comes without a chart
-            (tmp_path / name / f"{name}.png").write_bytes(b"\x89PNG " + name.encode())
-    root = tmp_path / "repo"
-    (root / "docs").mkdir(parents=True)
-    (root / "README.md").write_text("# x\n\n<!-- begin compare.md -->\nold\n<!-- end compare.md -->\n")
-    (root / "docs" / "performance.md").write_text(
-        "a\n<!-- begin bench.md -->\nold\n<!-- end bench.md -->\nb\n"
-        "<!-- begin sweep.md -->\nold\n<!-- end sweep.md -->\n"
-    )
-    (root / "docs" / "time.md").write_text(
-        "<!-- begin tta.md -->\nold\n<!-- end tta.md -->\n<!-- begin ablation.md -->\nold\n<!-- end ablation.md -->\n"
-    )
-    (root / "docs" / "other.md").write_text("no markers here\n")
-    dirs = [f"--{name}={tmp_path / name}" for name in ("bench", "compare", "tta", "sweep", "ablation")]
-    assert main([*dirs, "--root", str(root)]) == 0
-    assert (root / "README.md").read_text() == (
-        "# x\n\n<!-- begin compare.md -->\nmachine: test\n\n| compare |\n<!-- end compare.md -->\n"
-    )
-    assert (root / "docs" / "performance.md").read_text() == (
-        "a\n<!-- begin bench.md -->\nmachine: test\n\n| bench |\n<!-- end bench.md -->\nb\n"
-        "<!-- begin sweep.md -->\nmachine: test\n\n| sweep |\n<!-- end sweep.md -->\n"
-    )
-    assert (root / "docs" / "time.md").read_text() == (
-        "<!-- begin tta.md -->\nmachine: test\n\n| tta |\n<!-- end tta.md -->\n"
-        "<!-- begin ablation.md -->\nmachine: test\n\n| ablation |\n<!-- end ablation.md -->\n"
-    )
-    assert (root / "docs" / "other.md").read_text() == "no markers here\n"
-    charts = {"bench": "bench.png", "compare": "compare.png", "sweep": "bucket-sweep.png"}
-    charts["tta"] = "time-to-accuracy.png"
-    for name, chart in charts.items():
-        assert (root / "docs" / chart).read_bytes() == b"\x89PNG " + name.encode()
 
 
 def test_every_module_the_docs_run_exists():
