@@ -56,8 +56,9 @@ def fractions(text: str) -> list[float]:
     raise argparse.ArgumentTypeError(f"{text}: test accuracies as fractions in (0, 1], e.g. 0.91,0.92")
 
 
-def load_warning(load_average: float, cores: int) -> str | None:
-    """One line when more work than cores competed while speeds were measured (None when they did not)."""
+def load_warning(load_average: float, cores: int | None = None) -> str | None:
+    """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
+    cores = cores or os.cpu_count() or 1
     if load_average <= cores:
         return None
     return (

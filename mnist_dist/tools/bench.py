@@ -4,15 +4,12 @@
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
     python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % on Fashion-MNIST, 3 seeds
 
-Throughput: every case trains the convnet on the same generated data (no download), timed by the trainer
-itself (device synchronised, warm-up left out, evaluation not counted). Cases run interleaved (A B A B ...),
-so drift in the machine's speed hits all alike; a ratio is the median of the per-round ratios. A case that
-cannot mean anything here (bf16 on a CPU that emulates it) is skipped with a note; ``--cases`` runs what it
-names. Writes bench.md, bench.json and bench.png.
-
-Time to accuracy: recipe=fast in single, ddp and torch_ddp, seeds interleaved, each run stopping at the highest
-of ``--targets``; a target's time is the training clock (evaluation left out) at the first evaluation that
-reached it. Writes tta.md, tta.json and tta.png. Either warns in one line when the machine was busy.
+Throughput: each case trains on the same generated data, timed by the trainer itself; cases run interleaved
+(A B A B ...), so drift in the machine's speed hits all alike, and a ratio is the median of per-round ratios.
+A case that means nothing here (bf16 that the CPU emulates) is skipped with a note; ``--cases`` runs what it
+names. Time to accuracy: recipe=fast per mode, seeds interleaved, each run stopping at the highest of
+``--targets``; a target's time is the training clock at the first evaluation that reached it. Writes
+bench (or tta) .md, .json and .png to ``--out``, with one warning line if the machine was busy.
 """
 
 from __future__ import annotations
@@ -150,28 +147,30 @@ def train(name: str, overrides: list[str], run_dir: Path) -> dict:
         sys.exit(f"bench: {name} failed: {error}")
 
 
-def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path, work: Path) -> dict:
+def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path, work: Path) -> tuple:
     """Every chosen case once per round, interleaved, on generated data in ``work``: one epoch is warm-up + timed
     steps + the first step after warm-up, which the trainer's clock also skips."""
     write_idx(work / "data" / "MNIST" / "raw", n_train=(settings["warmup"] + settings["steps"] + 1) * settings["batch"])
     where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
     shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
-    samples, peak_load = {case: [] for case in chosen}, 0.0
+    samples, loads = {case: [] for case in chosen}, []
     for round_ in range(settings["repeats"]):
         for case in chosen:
-            peak_load = max(peak_load, os.getloadavg()[0])
+            loads.append(os.getloadavg()[0])
             samples[case].append(train(case, [*CASES[case], *where, *shape], work / "runs" / f"{case}_{round_}"))
             speed = samples[case][-1]["train_images_per_s"]
             print(f"round {round_ + 1}/{settings['repeats']} {case}: {speed:,.0f} images/s", flush=True)
-    result = report(samples, skipped)
-    result["warning"] = load_warning(max(peak_load, os.getloadavg()[0]), os.cpu_count() or 1)
-    info = machine.describe()
-    table = markdown(result, settings, info)
+    result = {**report(samples, skipped), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
+    saved = {"machine": machine.describe(), "settings": settings, "samples": samples, **result}
+    return write_report(out, "bench", markdown(result, settings, saved["machine"]), saved, bar_chart(result))
+
+
+def write_report(out: Path, name: str, table: str, saved: dict, draw) -> tuple[str, list[str]]:
+    """``name``.md, .json and .png in ``out``: the table and the names of what was written."""
     out.mkdir(parents=True, exist_ok=True)
-    files.write_text(out / "bench.md", table)
-    saved = {"machine": info, "settings": settings, "samples": samples, **result}
-    files.write_text(out / "bench.json", json.dumps(saved, indent=2) + "\n")
-    return {"table": table, "written": ["bench.md", "bench.json", save_chart(out / "bench.png", bar_chart(result))]}
+    files.write_text(out / f"{name}.md", table)
+    files.write_text(out / f"{name}.json", json.dumps(saved, indent=2) + "\n")
+    return table, [f"{name}.md", f"{name}.json", save_chart(out / f"{name}.png", draw)]
 
 
 # time to accuracy ------------------------------------------------------------------------------------------
@@ -266,36 +265,26 @@ def curve_chart(curves: dict[str, dict[float, float]], targets: list[float]):
     return draw
 
 
-def run_tta(args: argparse.Namespace, out: Path, work: Path) -> dict:
-    targets, peak_load = args.targets, 0.0
+def run_tta(args: argparse.Namespace, out: Path, work: Path) -> tuple:
+    targets, loads = args.targets, []
     where = [f"gpus={args.gpus}", f"device={args.device}", f"data={args.dataset}", f"data.mirrors=[{args.data_dir}]"]
     stop_at = ["recipe=fast", f"target_accuracy={targets[-1]}", f"eval_every_steps={args.eval_every}"]
     samples, curves = {case: [] for case in TTA_MODES}, {}
     for seed in range(1, args.seeds + 1):
         for case in TTA_MODES:
             run_dir = work / "runs" / f"{case}_seed{seed}"
-            peak_load = max(peak_load, os.getloadavg()[0])
-            results = train(
-                f"{case} seed {seed}",
-                [f"mode={case}", *stop_at, f"seed={seed}", *where, f"data.root={work / 'data'}"],
-                run_dir,
-            )
+            loads.append(os.getloadavg()[0])
+            overrides = [f"mode={case}", *stop_at, f"seed={seed}", *where, f"data.root={work / 'data'}"]
+            results = train(f"{case} seed {seed}", overrides, run_dir)
             curve = accuracy_curve(run_dir)
             curves.setdefault(case, curve)  # seed 1's
             samples[case].append({**results, "seconds_to": [seconds_to(curve, target) for target in targets]})
             print(f"seed {seed} {case}: {_seconds(samples[case][-1]['seconds_to'][-1])} s to target", flush=True)
-    result = tta_summary(samples, targets)
-    result["warning"] = load_warning(max(peak_load, os.getloadavg()[0]), os.cpu_count() or 1)
+    result = {**tta_summary(samples, targets), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
     settings = {key: getattr(args, key) for key in ("targets", "dataset", "device", "gpus", "eval_every", "seeds")}
-    info = machine.describe()
-    table = tta_markdown(result, settings, info)
-    out.mkdir(parents=True, exist_ok=True)
-    files.write_text(out / "tta.md", table)
-    files.write_text(out / "tta.json", json.dumps({"machine": info, "settings": settings, **result}, indent=2) + "\n")
-    return {
-        "table": table,
-        "written": ["tta.md", "tta.json", save_chart(out / "tta.png", curve_chart(curves, targets))],
-    }
+    saved = {"machine": machine.describe(), "settings": settings, **result}
+    table = tta_markdown(result, settings, saved["machine"])
+    return write_report(out, "tta", table, json.loads(json.dumps(saved, default=str)), curve_chart(curves, targets))
 
 
 # the command line ------------------------------------------------------------------------------------------
@@ -345,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     # The generated data and the runs' directories: removed however the bench ends, Ctrl-C included.
     with tempfile.TemporaryDirectory(prefix="mnist_dist_bench_", ignore_cleanup_errors=True) as scratch:
         if args.time_to_accuracy:
-            done = run_tta(args, args.out, Path(scratch))
+            table, written = run_tta(args, args.out, Path(scratch))
         else:
             settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "warmup", "steps", "repeats")}
-            done = run_bench(chosen, skipped, settings, args.out, Path(scratch))
+            table, written = run_bench(chosen, skipped, settings, args.out, Path(scratch))
     minutes = (time.monotonic() - started) / 60
-    print("\n" + done["table"] + f"\nwrote {args.out}: {', '.join(done['written'])} ({minutes:.1f} minutes)")
+    print(f"\n{table}\nwrote {args.out}: {', '.join(written)} ({minutes:.1f} minutes)")
     return 0
 
 

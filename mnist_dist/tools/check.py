@@ -36,7 +36,7 @@ from mnist_dist.config import Config, ConfigError, describe_hydra_error, validat
 from mnist_dist.model import instantiate_model
 from mnist_dist.modes import MODES, Processes, wrap_model
 from mnist_dist.operations import files
-from mnist_dist.parallel import WorkerFailed, plain_state_dict, spawn, unwrap
+from mnist_dist.parallel import WorkerFailed, spawn, unwrap
 from mnist_dist.parallel.state import model_state
 from mnist_dist.step import Precision, compute_gradients, train_step
 from mnist_dist.topology import deterministic_kernels, device_type, resolve
@@ -195,9 +195,6 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
         if rank == 0:
             buffers = len(list(unwrap(wrapped["ddp"]).buffers()))
             report = {"difference": difference.item(), "differing": differing, "buffers": buffers, **sharded}
-            for name, model in wrapped.items():
-                report[f"{name}_plain"] = _load_error(build(cfg), plain_state_dict(model))
-                report[f"{name}_naive"] = _load_error(build(cfg), model.state_dict())
             files.write_text(Path(out), json.dumps(report))
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still works can abort it
     finally:
@@ -249,7 +246,7 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
         except WorkerFailed as error:
             return [("FAIL", "ddp", f"a step with our DDP or torch DDP failed: {error} (traceback above)")]
         report = json.loads(out.read_text())
-    return [_agreement(report), _fsdp(report), _buffers(report), _checkpoint(report)]
+    return [_agreement(report), _fsdp(report), _buffers(report)]
 
 
 def _agreement(report: dict) -> Line:
@@ -290,18 +287,6 @@ def _buffers(report: dict) -> Line:
         "only between those moments"
     )
     return "WARN", "rank buffers", why
-
-
-def _checkpoint(report: dict) -> Line:
-    if failures := [f"{name}: {report[f'{name}_plain']}" for name in ("ddp", "torch_ddp") if report[f"{name}_plain"]]:
-        return (
-            "FAIL",
-            "checkpoint",
-            f"plain_state_dict(wrapped) does not load into a fresh model: {'; '.join(failures)}",
-        )
-    naive = "would not: its keys start with 'module.'" if report["ddp_naive"] else "would too"
-    why = f"plain_state_dict(wrapped), which the trainer saves, loads into a fresh model; wrapped.state_dict() {naive}"
-    return "OK", "checkpoint", why
 
 
 def run_checks(cfg: Config) -> list[Line]:

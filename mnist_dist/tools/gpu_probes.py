@@ -87,11 +87,9 @@ def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bf
     ours_ok = len({t for t, _ in found["ours"]}) == 2 and {d for _, d in found["ours"]} == {dtype}
     visible = {d for _, d in found["raw torch"]} != {dtype}  # torch's own bug shows: the probe can see it
     ok = ours_ok and visible and type(wrapper) is expected
-    figure = (
-        f"{type(wrapper).__name__}: {_dtypes(found['ours'])}; raw torch: {_dtypes(found['raw torch'])}"
-        + ("" if visible else " (raw torch keeps the dtype too: this probe cannot see the bug)")
-        + ("" if type(wrapper) is expected else f"; its YAML makes a {expected.__name__}")
-    )
+    figure = f"{type(wrapper).__name__}: {_dtypes(found['ours'])}; raw torch: {_dtypes(found['raw torch'])}"
+    figure += "" if visible else " (raw torch keeps the dtype too: this probe cannot see the bug)"
+    figure += "" if type(wrapper) is expected else f"; its YAML makes a {expected.__name__}"
     proves = f"mode={name}'s replicas compute in the caller's {str(dtype).removeprefix('torch.')}"
     return Row(f"{name} replica dtype, amp, 2 threads on {device}", proves, figure, ok)
 
@@ -186,15 +184,10 @@ def gradient_worker(rank: int, world_size: int, device_type: str, out: str) -> N
 
 
 def gradient_rows(report: dict, device_type: str) -> list[Row]:
-    return [
-        Row(
-            f"{name} gradients, 2 gloo ranks on one {device_type}",
-            "both DDPs average as one process computes (side stream, CUDA tensors)",
-            f"max difference {difference:.1e} (tolerance {GRADIENT_TOLERANCE:g}; random images)",
-            difference <= GRADIENT_TOLERANCE,
-        )
-        for name, difference in report.items()
-    ]
+    proves = "both DDPs average as one process computes (side stream, CUDA tensors)"
+    figure = "max difference {:.1e} (tolerance " + f"{GRADIENT_TOLERANCE:g}; random images)"
+    name = "{} gradients, 2 gloo ranks on one " + device_type
+    return [Row(name.format(k), proves, figure.format(v), v <= GRADIENT_TOLERANCE) for k, v in report.items()]
 
 
 # overlap: our DDP's exposed wait with overlap on against off ------------------------------------------------
@@ -292,16 +285,9 @@ def batchnorm_row(report: dict, work: Path, device_type: str) -> Row:
     saved_loss, saved_accuracy = evaluate(saved, *random_batch(TEST_IMAGES, device, seed=99), TEST_BATCH, 0, 1)
     loss, accuracy = report["reported"]
     ok = accuracy == saved_accuracy and abs(loss - saved_loss) <= 1e-6 * abs(saved_loss)
-    figure = (
-        f"reported loss {loss:.6f}, accuracy {accuracy:.2%}; model.pt's {saved_loss:.6f}, {saved_accuracy:.2%} "
-        "(random images)"
-    )
-    return Row(
-        f"BatchNorm evaluation, resnet, 2 gloo ranks on one {device_type}",
-        "the reported accuracy is model.pt's",
-        figure,
-        ok,
-    )
+    figure = f"reported loss {loss:.6f}, accuracy {accuracy:.2%}; model.pt's {saved_loss:.6f}, {saved_accuracy:.2%}"
+    name = f"BatchNorm evaluation, resnet, 2 gloo ranks on one {device_type}"
+    return Row(name, "the reported accuracy is model.pt's", figure + " (random images)", ok)
 
 
 # NCCL: initialised bound to this GPU ------------------------------------------------------------------------
@@ -313,12 +299,9 @@ def nccl_binding(device_type: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dist.barrier()
-    bound = dist.group.WORLD.bound_device_id
+    bound = str(dist.group.WORLD.bound_device_id)
     dist.destroy_process_group()
-    return {
-        "bound": str(bound),
-        "warnings": [str(w.message).splitlines()[0] for w in caught if "barrier" in str(w.message)],
-    }
+    return {"bound": bound, "warnings": [str(w.message).splitlines()[0] for w in caught if "barrier" in str(w.message)]}
 
 
 def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
@@ -327,9 +310,8 @@ def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
 
 def nccl_row(report: dict) -> Row:
     ok = report["bound"] != "None" and not report["warnings"]
-    figure = f"bound to {report['bound']}; barrier warnings: {len(report['warnings'])}" + "".join(
-        f" ({w})" for w in report["warnings"]
-    )
+    figure = f"bound to {report['bound']}; barrier warnings: {len(report['warnings'])}"
+    figure += "".join(f" ({w})" for w in report["warnings"])
     return Row("NCCL process group, world size 1", "init_process_group got device_id", figure, ok)
 
 
