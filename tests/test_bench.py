@@ -1,4 +1,5 @@
-"""The benchmark's arithmetic (medians, paired ratios, targets), on made-up numbers and a tiny run."""
+"""The bench: ratios of paired rounds, skipped cases, time to accuracy's table, one line for a bad count, and no
+work directory left however it ends."""
 
 import json
 import os
@@ -10,35 +11,23 @@ import time
 import pytest
 from helpers import HANG_S, assert_machine_fields
 
+from mnist_dist.tools import bench
 from mnist_dist.tools.bench import CASES, choose, markdown, report, skips
-from mnist_dist.tools.run import paired_ratio
+
+INFO = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
+INFO.update(memory_gib=23.5, torch="2.14.1")
 
 
-def run(speed, comm=0.0, counters=None):
-    return {
-        "images_per_s": speed,
-        "peak_rss_mib": [100.0, 120.0],
-        "model_state_mib": [9.5, 9.0],
-        "step_time_ms": {"data": 0.0, "forward_backward": 9.0, "comm_wait": comm, "optimizer": 1.0},
-        "ddp_backward_ms": counters,
-    }
+def run(speed):
+    return {"train_images_per_s": speed, "peak_rss_mib": [100.0, 120.0], "model_state_mib": [9.5, 9.0]}
 
 
-def counters(compute, comm, overlap):
-    return {"backward_compute": compute, "backward_comm": comm, "backward_overlap": overlap}
-
-
-def test_ratios_are_medians_of_paired_rounds():
+def test_report_has_medians_and_ratios_of_paired_rounds():
     # Round 2 ran on a slower machine for both: the paired ratio stays 2, the ratio of medians would not.
-    assert paired_ratio([200.0, 100.0, 210.0], [100.0, 50.0, 100.0]) == {"median": 2.0, "min": 2.0, "max": 2.1, "n": 3}
-
-
-def test_report_medians_targets_and_exposed_communication():
     samples = {
         "single": [run(1200.0), run(1000.0), run(1100.0)],
-        "classic": [run(1000.0), run(1000.0), run(1000.0)],
-        "ddp": [run(900.0, 1.0, counters(8.0, 3.0, 2.0)), run(950.0, 0.5, counters(7.0, 2.5, 2.0))],
-        "torch_ddp": [run(1000.0, 0.0, counters(7.5, 4.0, 3.5)), run(1000.0, 0.0, counters(7.5, 4.0, 3.5))],
+        "ddp": [run(400.0), run(200.0), run(420.0)],
+        "torch_ddp": [run(200.0), run(100.0), run(200.0)],
     }
     result = report(samples)
     assert result["cases"]["single"] == {
@@ -48,27 +37,23 @@ def test_report_medians_targets_and_exposed_communication():
         "n": 3,
         "peak_rss_mib": 120.0,
         "model_state_mib": 9.5,
-        "ddp_backward_ms": None,
     }
-    rows = {row["name"]: row for row in result["comparisons"]}
-    assert set(rows) == {"single / classic", "ddp / torch_ddp", "ddp: exposed communication"}
-    assert rows["single / classic"]["median"] == pytest.approx(1.1) and rows["single / classic"]["met"] is False
-    assert rows["ddp / torch_ddp"]["median"] == pytest.approx(0.925) and not rows["ddp / torch_ddp"]["met"]
-    share = rows["ddp: exposed communication"]
-    assert share["median"] == pytest.approx((1 / 11 + 0.5 / 10.5) / 2) and share["max"] == pytest.approx(1 / 11)
-    assert share["met"] is False  # 6.9 % > 5 %
-    assert result["cases"]["ddp"]["ddp_backward_ms"] == counters(7.5, 2.75, 2.0)  # medians over the runs
-    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
-    info.update(memory_gib=23.5, torch="2.14.1")
-    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2}, info)
-    assert table.startswith(
-        "machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile; torch AVX2 kernels), 2 cores, 2 torch"
+    (ratio,) = result["comparisons"]
+    assert (ratio["name"], ratio["median"], ratio["min"], ratio["max"], ratio["met"]) == (
+        "ddp / torch_ddp",
+        2.0,
+        2.0,
+        2.1,
+        True,
     )
+    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2}, INFO)
+    assert table.startswith("machine: AMD EPYC (no avx512_bf16/amx_bf16/amx_tile; torch AVX2 kernels), 2 cores")
     assert "| single | 1,100 | 1,000 – 1,200 | 120 | 9.5 |" in table  # model state: the fullest rank's
-    assert "| single / classic | 1.10 | 1.00 – 1.20 | ≥ 1.15 | **no** |" in table
-    assert "| ddp: exposed communication | 6.9% | 4.8% – 9.1% | ≤ 5% | **no** |" in table
-    # both DDPs on the counters torch DDP keeps, side by side
-    assert "| ddp | 7.5 | 2.8 | 2.0 | 0.8 |" in table and "| torch_ddp | 7.5 | 4.0 | 3.5 | 0.5 |" in table
+    assert "| ddp / torch_ddp | 2.00 | 2.00 – 2.10 | ≥ 1.05 | yes |" in table
+    result["warning"] = "warning: the load average reached 3.0 on 2 cores"
+    assert markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 3, "gpus": 2}, INFO).endswith(
+        "\nwarning: the load average reached 3.0 on 2 cores\n"
+    )
 
 
 EMULATED = "bf16 is emulated"
@@ -93,14 +78,12 @@ def test_bf16_is_skipped_only_on_a_cpu_that_emulates_it(device, flags, skipped):
 
 
 def test_a_skipped_case_is_noted_and_its_comparisons_say_why():
-    samples = {"single": [run(1200.0)], "single_ckpt100": [run(1100.0)]}
+    samples = {"single": [run(1200.0)], "fsdp": [run(550.0)], "ddp": [run(1100.0)]}
     result = report(samples, skips("cpu", []))
     rows = {row["name"]: row for row in result["comparisons"]}
-    assert rows["single_bf16 / single"]["kind"] == "skipped" and EMULATED in rows["single_bf16 / single"]["why"]
-    assert rows["single_ckpt100 / single"]["median"] == pytest.approx(1100 / 1200)
-    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
-    info.update(memory_gib=23.5, torch="2.14.1")
-    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 1, "gpus": 2}, info)
+    assert EMULATED in rows["single_bf16 / single"]["why"] and "median" not in rows["single_bf16 / single"]
+    assert rows["fsdp / ddp"]["median"] == pytest.approx(0.5)
+    table = markdown(result, {"device": "cpu", "batch": 64, "steps": 10, "repeats": 1, "gpus": 2}, INFO)
     why = skips("cpu", [])["single_bf16"]
     assert f"\n\nskipped single_bf16: {why}\n\n| case |" in table
     assert f"| single_bf16 / single | skipped: {why} | | | |" in table
@@ -109,66 +92,58 @@ def test_a_skipped_case_is_noted_and_its_comparisons_say_why():
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_what_it_measured(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mnist_dist.tools.bench",
-            "--cases",
-            "single,ceiling",
-            "--repeats",
-            "1",  # each case is a fresh process (~10 s); medians: test_ratios_are_medians_of_paired_rounds
-            "--steps",
-            "6",
-            "--warmup",
-            "2",
-            "--batch",
-            "16",
-            "--out",
-            str(tmp_path),
-        ],
-        env={k: v for k, v in _temp_in(tmp_path).items() if k != "OMP_NUM_THREADS"},  # conftest sets it under xdist
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [*BENCH, "--cases", "single", "--steps", "6", "--warmup", "2", "--out", str(tmp_path / "out")]
+    env = {k: v for k, v in _temp_in(tmp_path).items() if k != "OMP_NUM_THREADS"}  # conftest sets it under xdist
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert _work_left(tmp_path) == []
-    saved = json.loads((tmp_path / "bench.json").read_text())
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert_machine_fields(saved["machine"])
-    assert [run["torch_threads"] for run in saved["samples"]["single"]] == [os.cpu_count()]
-    (single,), (ceiling,) = ([run["images_per_s"] for run in saved["samples"][case]] for case in ("single", "ceiling"))
-    assert saved["cases"]["single"]["median"] == single > 0
-    (ratio,) = saved["comparisons"]
-    assert ratio["name"] == "single / ceiling" and ratio["median"] == pytest.approx(single / ceiling)
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "bench.md").read_text() in result.stdout
+    (single,) = saved["samples"]["single"]
+    assert saved["cases"]["single"]["median"] == single["train_images_per_s"] > 0
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "out" / "bench.md").read_text() in result.stdout
 
 
-def test_the_in_process_baselines_run_under_the_trainers_kernel_policy(tmp_path, monkeypatch):
-    # `classic` and `ceiling` skipped setup_process: on a GPU, `single / ceiling` compared the trainer's
-    # fp32 convolutions with TF32 ones (torch 2.14's default) and non-deterministic cuDNN autotuning.
-    import torch
-
-    from mnist_dist.config import Config
-    from mnist_dist.tools import baselines
-
-    torch.backends.cudnn.conv.fp32_precision = "tf32"  # torch's default for convolutions on a GPU
-    torch.use_deterministic_algorithms(False)
-    seen = []
-    real_step = baselines.train_step
-
-    def step(*args, **kwargs):
-        seen.append((torch.backends.cudnn.conv.fp32_precision, torch.are_deterministic_algorithms_enabled()))
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(baselines, "train_step", step)
-    baselines.measure_here("ceiling", tmp_path, batch=4, steps=1, warmup=0, device=torch.device("cpu"))
-    assert Config.tf32 is False and Config.deterministic is True  # the trainer's defaults
-    assert seen == [("ieee", True)]
+def test_without_matplotlib_the_tables_are_written_and_the_chart_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    said = bench.save_chart(tmp_path / "bench.png", bench.bar_chart({"cases": {}}))
+    assert "matplotlib" in said and "[plot]" in said and not (tmp_path / "bench.png").exists()
 
 
-# --- issue 38: a bad count is one line, and no run leaves its work directory ------------------------------
+def tta_run(seconds_91, seconds_92, accuracy):
+    return {"seconds_to": [seconds_91, seconds_92], "test_accuracy": accuracy}
+
+
+def test_time_to_accuracy_table_medians_worst_misses_and_targets():
+    samples = {
+        "single": [tta_run(30.0, 40.0, 0.921), tta_run(35.0, 50.0, 0.922), tta_run(31.0, 45.0, 0.923)],
+        "ddp": [tta_run(36.0, 48.0, 0.92), tta_run(40.0, 55.0, 0.921), tta_run(41.0, 58.5, 0.925)],  # 1.2, 1.1, 1.3
+        "torch_ddp": [tta_run(40.0, 50.0, 0.920), tta_run(44.0, None, 0.915), tta_run(38.0, 52.0, 0.921)],
+    }
+    targets = [0.91, 0.92]
+    result = bench.tta_summary(samples, targets)
+    single = result["cases"]["single"]["targets"]
+    assert (single[0.92]["median_s"], single[0.92]["worst_s"], single[0.91]["median_s"]) == (45.0, 50.0, 31.0)
+    assert result["single_met"] and result["ddp_ratio"] == pytest.approx(1.2) and result["ddp_met"]
+    missed = result["cases"]["torch_ddp"]["targets"]
+    assert missed[0.92]["reached"] == 2 and missed[0.92]["worst_s"] is None and missed[0.91]["worst_s"] == 44.0
+    settings = {
+        "targets": targets,
+        "dataset": "fashion_mnist",
+        "device": "cpu",
+        "gpus": 2,
+        "eval_every": 47,
+        "seeds": 3,
+    }
+    table = bench.tta_markdown(result, settings, INFO)
+    assert "recipe=fast to 91.0% and 92.0% test accuracy" in table
+    assert "| single | 91.0% | 3/3 | 31.0 | 35.0 |  |" in table
+    assert "| single | 92.0% | 3/3 | 45.0 | 50.0 | 92.10% – 92.30% (median 92.20%) |" in table
+    assert "| torch_ddp | 92.0% | 2/3 | 51.0 | not reached |" in table
+    assert "| single reaches 92.0% within 60 s | worst 50.0 s | yes |" in table
+    assert "| ddp within 1.3x single's time | 1.20x (median of per-seed ratios) | yes |" in table
+
 
 BENCH = [sys.executable, "-m", "mnist_dist.tools.bench", "--repeats", "1", "--batch", "16", "--warmup", "1"]
 
@@ -178,14 +153,16 @@ BENCH = [sys.executable, "-m", "mnist_dist.tools.bench", "--repeats", "1", "--ba
     [("--steps", "-1", 1), ("--steps", "0", 1), ("--steps", "abc", 1), ("--repeats", "0", 1), ("--warmup", "-1", 0)],
 )
 def test_a_count_that_cannot_be_is_one_line_naming_the_flag(tmp_path, flag, value, least):
-    # before: --steps -1 ran and failed with a CalledProcessError traceback, 0 meant the default, abc printed the usage
-    command = [*BENCH, "--cases", "ceiling", "--steps", "2", flag, value, "--out", str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, env=_temp_in(tmp_path))
-    assert (result.returncode, result.stderr) == (
-        1,
-        f"bench: argument {flag}: {value} must be a whole number, at least {least} (--help lists the options)\n",
-    )
-    assert _work_left(tmp_path) == [] and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--cases", "single", flag, value, "--out", str(tmp_path / "out")])
+    message = exit_.value.code
+    assert message.startswith(f"bench: argument {flag}: {value} must be a whole number, at least {least}")
+    assert "\n" not in message and not (tmp_path / "out").exists()
+
+
+def test_a_bad_target_is_one_line():
+    with pytest.raises(SystemExit, match="--targets: 0.9,1.5: test accuracies as fractions"):
+        bench.main(["--time-to-accuracy", "--targets", "0.9,1.5"])
 
 
 def _temp_in(tmp_path) -> dict:
@@ -224,3 +201,11 @@ def test_an_interrupted_bench_leaves_no_work_directory(tmp_path):
         bench.kill()
     assert (bench.returncode, stderr.splitlines()[-1:]) == (143, ["interrupted; no report written"])
     assert _work_left(tmp_path) == []
+
+
+def test_the_tools_and_the_trainer_import_without_matplotlib():
+    # matplotlib is the plot extra: only drawing a chart needs it
+    blocked = "import sys; sys.modules['matplotlib'] = None; "
+    imports = "import mnist_dist.train, mnist_dist.tools.bench, mnist_dist.tools.compare, mnist_dist.tools.check"
+    result = subprocess.run([sys.executable, "-c", blocked + imports], capture_output=True, text=True, timeout=HANG_S)
+    assert result.returncode == 0, result.stderr

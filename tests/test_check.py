@@ -41,21 +41,16 @@ def report(capsys, *overrides):
 def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
     code, checks, lines = report(capsys, "model._target_=test_check.BrokenNet", "~model.dropout")
     assert code == 1, "\n".join(lines)
-    assert checks["unused parameters"].startswith(
-        "FAIL  unused parameters  2 parameter(s) got no gradient: unused.weight, unused.bias; ddp stops"
+    assert (
+        checks["unused parameters"].startswith("FAIL") and "unused.weight, unused.bias" in checks["unused parameters"]
     )
-    assert checks["batchnorm"].startswith(
-        "WARN  batchnorm          1 BatchNorm layer(s) (features.1) normalise "
-        "with each rank's share of the batch in ddp modes (64 images"
-    )
-    assert checks["rank buffers"].startswith(
-        "WARN  rank buffers       2 buffer(s) differ across ranks after a "
-        "step (features.1.running_mean, features.1.running_var)"
-    )
+    assert checks["batchnorm"].startswith("WARN") and "(features.1)" in checks["batchnorm"]
+    assert "each rank's share of the batch" in checks["batchnorm"]
+    assert checks["rank buffers"].startswith("WARN") and "features.1.running_mean" in checks["rank buffers"]
     # The unused layer is let through for the comparison (find_unused_parameters): the numbers agree.
-    assert checks["ddp vs torch ddp"].startswith("OK    ddp vs torch ddp   gradients agree within")
-    assert checks["checkpoint"].startswith("OK") and checks["modes"].startswith("OK")
-    assert checks["fsdp"].startswith("OK    fsdp               gradients agree with torch DDP's within")
+    assert checks["ddp vs torch ddp"].startswith("OK") and "gradients agree within" in checks["ddp vs torch ddp"]
+    assert checks["modes"].startswith("OK")
+    assert checks["fsdp"].startswith("OK") and "gradients agree with torch DDP's" in checks["fsdp"]
     assert lines[-1] == "1 FAIL, 2 WARN: fix the FAILs before training"
 
 
@@ -72,10 +67,8 @@ def test_the_convnet_passes_every_check(capsys):
         "ddp vs torch ddp",
         "fsdp",
         "rank buffers",
-        "checkpoint",
     ]
     assert all(line.startswith("OK ") for line in checks.values()), "\n".join(lines)
-    assert "wrapped.state_dict() would not: its keys start with 'module.'" in checks["checkpoint"]
     assert lines[-1] == "0 FAIL, 0 WARN: ready to train"
 
 
@@ -92,16 +85,13 @@ def test_an_op_without_a_deterministic_kernel_fails_unless_deterministic_is_off(
 def test_modes_that_need_a_named_submodule_warn(make_config):
     (status, _, why), unused = check.check_modes(make_config("model._target_=test_check.UnpoolNet", "~model.dropout"))
     assert status == "WARN" and unused == []
-    assert why == (
-        "other modes took a step; not usable as configured: dp_block (UnpoolNet has no submodule "
-        "'features'; its submodules: pool, unpool, classifier)"
-    )
+    assert why.startswith("other modes took a step; not usable as configured: dp_block (") and "'features'" in why
 
 
 def test_a_model_that_cannot_be_built_is_one_line():
     with pytest.raises(SystemExit) as exit:
         check.main(["model._target_=test_check.NoSuchNet"])
-    assert str(exit.value).startswith("error: model._target_=test_check.NoSuchNet cannot be imported")
+    assert str(exit.value).startswith("error: ") and "NoSuchNet cannot be imported" in str(exit.value)
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -113,13 +103,7 @@ def test_help_prints_the_usage(capsys, flag):
 def test_the_batchnorm_warning_says_what_evaluation_and_checkpoints_use():
     # It said "evaluation runs on each rank's own": the trainer gives every rank rank 0's buffers before it
     # evaluates (step.evaluate_as_saved), so the reported accuracy is the checkpoint's.
-    from mnist_dist.tools.check import ranks
-
-    status, name, why = ranks._buffers({"differing": ["features.1.running_mean"], "buffers": 3})
+    status, name, why = check._buffers({"differing": ["features.1.running_mean"], "buffers": 3})
     assert (status, name) == ("WARN", "rank buffers")
     assert "each rank's own" not in why
-    assert why.endswith(
-        "each rank updates them from its own batch. Both DDPs give every rank rank 0's before each forward, "
-        "and the trainer does before it evaluates: evaluation and checkpoints use rank 0's, so the buffers "
-        "differ only between those moments"
-    )
+    assert "evaluation and checkpoints use rank 0's" in why

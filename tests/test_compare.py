@@ -59,7 +59,8 @@ def test_rounds_alternate_and_the_table_has_medians_spreads_and_the_load_warning
     assert table in capsys.readouterr().out
 
 
-def test_modes_take_a_comma_list_as_a_sweep_does(tiny_root, monkeypatch):
+def test_modes_take_a_comma_list_as_a_sweep_does(tiny_root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     seen = []
 
     def rounds(configs, *args):
@@ -70,6 +71,7 @@ def test_modes_take_a_comma_list_as_a_sweep_does(tiny_root, monkeypatch):
     with pytest.raises(Stop):
         compare.main(["modes=single,ddp", f"data.root={tiny_root}", "data.mirrors=[]"])
     assert seen == ["single", "ddp"]
+    assert list((tmp_path / "outputs" / "compare").iterdir()) == []  # no empty directory for a compare that ran nothing
 
 
 def test_each_run_says_the_overrides_it_runs_with(tiny_root, tmp_path, monkeypatch):
@@ -93,14 +95,14 @@ def never(*args, **kwargs):
 @pytest.mark.parametrize(
     "option, line",
     [
-        ("repeats=0", "error: repeats=0 must be a whole number of rounds, at least 1"),
-        ("repeats=abc", "error: repeats=abc must be a whole number of rounds, at least 1"),
-        ("modes=[]", "error: modes=[] names no mode; e.g. modes=[single,ddp], from: single, dp, "),
-        ("modes=5", "error: modes=5: 5 is not a mode; e.g. modes=[single,ddp], from: single, dp, "),
-        ("modes=[single", "error: modes=[single is not a list of modes; e.g. modes=[single,ddp], from: single, "),
-        ("tolerance=abc", "error: tolerance=abc must be a number, at least 0"),
-        ("early_tolerance=-1", "error: early_tolerance=-1 must be a number, at least 0"),
-        ("mode=single,ddp", "error: mode=single,ddp: compare runs each mode of modes=; pass modes=single,ddp"),
+        ("repeats=0", "error: repeats=0 must be a whole number"),
+        ("repeats=abc", "error: repeats=abc must be a whole number"),
+        ("modes=[]", "error: modes=[] names no mode"),
+        ("modes=5", "error: modes=5: 5 is not a mode"),
+        ("modes=[single", "error: modes=[single is not a list of modes"),
+        ("tolerance=abc", "error: tolerance=abc must be a number"),
+        ("early_tolerance=-1", "error: early_tolerance=-1 must be a number"),
+        ("mode=single,ddp", "error: mode=single,ddp: compare runs each mode of modes="),
         ("epoch=1", "error: Could not override 'epoch'"),
     ],
 )
@@ -111,7 +113,7 @@ def test_every_bad_option_is_one_error_line_before_any_run(tiny_root, monkeypatc
     message = exit_.value.code  # sys.exit(message): status 1
     assert isinstance(message, str) and message.startswith(line) and "\n" not in message, message
     if option == "epoch=1":  # compare's own keys are valid keys too
-        assert message.endswith(", modes, tolerance, early_tolerance, repeats (compare's own)")
+        assert message.endswith("modes, tolerance, early_tolerance, repeats (compare's own)")
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -143,7 +145,7 @@ def test_an_interrupted_compare_leaves_no_half_run_and_says_the_time_first(tiny_
     (out,) = (tmp_path / "outputs" / "compare").glob("*/*")
     assert [p.name for p in out.iterdir()] == ["single"]  # complete; the interrupted ddp run is gone
     said = capsys.readouterr()
-    assert "compare: 2 modes x 2 rounds = 4 runs, about " in said.out
+    assert "compare: 2 modes x 2 rounds = 4 runs" in said.out
     assert "compare: single took 0:01:30; the 3 runs left take about 0:04:30 at its pace" in said.out
     assert (
         said.err.strip().splitlines()[-1]
@@ -165,27 +167,3 @@ def test_a_ctrl_c_as_a_run_starts_leaves_no_directory_for_it(tiny_root, tmp_path
     with pytest.raises(KeyboardInterrupt):
         compare.run_rounds(configs, 1, tmp_path / "out", lambda: 0.0)
     assert list((tmp_path / "out").iterdir()) == []
-
-
-def test_the_time_is_estimated_before_the_first_run_and_says_how(tiny_root, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("mnist_dist.tools.compare_estimate.probe_step_s", lambda cfg: 0.5)  # s a step
-
-    def launch(cfg, run_dir, overrides=()):
-        raise Stop  # the line was printed before
-
-    monkeypatch.setattr(compare, "launch", launch)
-    with pytest.raises(Stop):
-        compare.main(["modes=[single,ddp]", "repeats=2", "epochs=2", "batch_size=32", f"data.root={tiny_root}"])
-    # 640 images at batch 32: 2 x 20 steps of 0.5 s, and 2 x 200 test images at a third of a step's 1/32
-    assert capsys.readouterr().out.splitlines()[0] == (
-        "compare: 2 modes x 2 rounds = 4 runs, about 88 s (4 runs x ~22 s: 40 steps at ~500 ms from a 5-step "
-        "probe of single, and evaluation; start-up not counted); said again after the first run"
-    )
-
-
-def test_the_probe_times_the_first_modes_steps(make_config):
-    from mnist_dist.tools.compare_estimate import duration, probe_step_s
-
-    assert probe_step_s(make_config("batch_size=32"), steps=2) > 0
-    assert [duration(s) for s in (40, 130, 125, 900, 3900)] == ["40 s", "2 min 10 s", "2 min", "15 min", "1 h 5 min"]

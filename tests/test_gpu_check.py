@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import HANG_S
 
-from mnist_dist.tools import gpu_check, gpu_runs
+from mnist_dist.tools import bench, gpu_check
 from mnist_dist.tools.gpu_check import Row
 from mnist_dist.tools.synthetic import write_idx
 
@@ -36,10 +36,10 @@ def faked(monkeypatch, tmp_path):
         speed = {"single_1": 100.0, "ddp_1": 80.0}.get(run_dir.name, 50.0)
         return {"train_images_per_s": speed, "time_to_target_s": 2.0, "steps_to_target": 9}, ""
 
-    monkeypatch.setattr(gpu_runs, "train", train)
-    monkeypatch.setattr(gpu_runs, "losses", lambda run_dir: [first_losses.get(run_dir.name, 2.3)] + [2.3] * 19)
-    monkeypatch.setattr(gpu_runs, "same_weights", lambda run_dir, single: run_dir.name not in other_weights)
-    monkeypatch.setattr(gpu_runs, "accuracy_curve", lambda run_dir: {1.0: 0.905, 2.0: 0.911})  # the fast run's
+    monkeypatch.setattr(gpu_check, "train", train)
+    monkeypatch.setattr(gpu_check, "losses", lambda run_dir: [first_losses.get(run_dir.name, 2.3)] + [2.3] * 19)
+    monkeypatch.setattr(gpu_check, "same_weights", lambda run_dir, single: run_dir.name not in other_weights)
+    monkeypatch.setattr(bench, "accuracy_curve", lambda run_dir: {1.0: 0.905, 2.0: 0.911})  # the fast run's
     monkeypatch.setattr(gpu_check, "probe_rows", lambda args, work: iter(PROBES))
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
     return started, first_losses, other_weights
@@ -108,13 +108,13 @@ def test_a_run_at_one_gpu_that_is_not_singles_fails(faked, monkeypatch, capsys, 
 
 
 def test_each_row_is_in_the_out_file_when_it_has_finished(faked, monkeypatch, capsys, tmp_path):
-    seen, train = [], gpu_runs.train
+    seen, train = [], gpu_check.train
 
     def reading(args, run_dir, *overrides):
         seen.append(args.out.read_text() if run_dir.name == "ddp_1" else "")
         return train(args, run_dir, *overrides)
 
-    monkeypatch.setattr(gpu_runs, "train", reading)
+    monkeypatch.setattr(gpu_check, "train", reading)
     run(monkeypatch, capsys, tmp_path, "--quick")
     assert "| ddp overlap, 2 gloo ranks on one cpu |" in seen[1] and "| single gpus=1, generated data |" in seen[1]
     assert "| ddp gpus=1" not in seen[1]
@@ -126,7 +126,7 @@ def test_the_full_check_adds_every_mode_and_variant_and_fails_what_is_off(faked,
     code, out, rows = run(monkeypatch, capsys, tmp_path, "--modes", "single,dp,ddp")
     assert code == 1
     assert started[:8] == ["single_1", "ddp_1", "torch_ddp_1", "fsdp_1", "split_1", "single_2", "dp_2", "ddp_2"]
-    variants = {f"{mode}_{variant.replace('=', '_')}" for mode in ("dp", "ddp") for variant in gpu_runs.VARIANTS}
+    variants = {f"{mode}_{variant.replace('=', '_')}" for mode in ("dp", "ddp") for variant in gpu_check.VARIANTS}
     assert variants - set(started) == {"ddp_compile"}  # refused by the trainer's own rule, so not run
     assert "| dp gpus=2, generated data | the mode trains, and follows single's loss over 20 steps |" in out
     assert (
@@ -221,7 +221,7 @@ def test_the_bitwise_row_fails_where_ddp_at_world_size_1_divides_wrongly(tmp_pat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     write_idx(tmp_path / "data" / "MNIST" / "raw", n_train=640, n_test=500)
     args = argparse.Namespace(epochs=1, train_images=640, device="cpu", timeout=HANG_S)
-    single, ddp = gpu_runs.check_modes(args, tmp_path, 1, ["single", "ddp"])
+    single, ddp = gpu_check.check_modes(args, tmp_path, 1, ["single", "ddp"])
     assert single.ok and not ddp.ok, ddp
     assert "loss curve differs from step 2 (5 steps), model.pt differs" in ddp.figure
 

@@ -18,8 +18,6 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import dp as our_dp
-from mnist_dist.parallel import timing
-from mnist_dist.tools import baselines, bench
 from mnist_dist.topology import Topology, from_env, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
@@ -344,27 +342,3 @@ def test_model_state_counts_both_ddps_alike(one_rank, bucket_cap_mb, as_view):
         figures[options.name] = metrics.state_bytes(model, optimizer)
     weights = 4 * sum(p.numel() for p in ConvNet().parameters())
     assert figures == dict.fromkeys(("ddp", "torch_ddp"), weights * 3)  # fp32 weights, gradients, momentum
-
-
-def test_bench_baselines_run_and_are_timed_on_the_device(tmp_path, monkeypatch):
-    # --device cuda built `classic` and `ceiling` on the CPU and timed them without synchronising.
-    stamped = []
-
-    class Clock(timing.StreamClock):
-        def now(self):
-            stamped.append(self.first)
-            return super().now()
-
-    monkeypatch.setattr(baselines, "StreamClock", Clock)
-    result = baselines.measure_here("ceiling", tmp_path, batch=4, steps=2, warmup=1, device=torch.device("cpu"))
-    assert result["images_per_s"] > 0 and stamped == [torch.device("cpu")] * 2  # the start and the end
-    commands = []
-
-    def fake_run(command, **kwargs):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, 0, stdout='{"images_per_s": 1.0}')
-
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    settings = {"batch": 8, "steps": 2, "warmup": 1, "device": "cuda", "gpus": 2}
-    bench.run_case("ceiling", tmp_path, settings, 0)
-    assert commands[0][commands[0].index("--device") + 1] == "cuda"

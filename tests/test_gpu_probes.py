@@ -12,7 +12,7 @@ from mnist_dist import step, topology
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.parallel import dp as our_dp
 from mnist_dist.parallel.ddp import Bucket
-from mnist_dist.tools import gpu_probes, gpu_wrappers
+from mnist_dist.tools import gpu_probes
 
 CPU = torch.device("cpu")
 
@@ -142,8 +142,8 @@ def timed_all_reduce(monkeypatch):
 
 def overlap_on_and_off():
     x, y = torch.randn(8, 4), torch.randint(0, 10, (8,))
-    waits = [gpu_wrappers.exposed_wait_ms(on, SlowNet(), x, y, steps=1, warmup=2) for on in (True, False)]
-    return gpu_wrappers.overlap_row(*waits, "1 stubbed rank")
+    waits = [gpu_probes.exposed_wait_ms(on, SlowNet(), x, y, steps=1, warmup=2) for on in (True, False)]
+    return gpu_probes.overlap_row(*waits, "1 stubbed rank")
 
 
 @pytest.mark.slow
@@ -168,40 +168,40 @@ def test_overlap_row_fails_when_buckets_wait_for_the_end_of_backward(one_rank, t
 def test_overlap_is_judged_only_where_each_rank_has_a_gpu_of_its_own():
     # Two ranks time-slicing one GPU can leave either's all-reduce exposed with nothing broken.
     report = {"on": 0.9, "off": 1.0}
-    shared = gpu_wrappers.overlap_report_row({**report, "own": False}, "cuda")
+    shared = gpu_probes.overlap_report_row({**report, "own": False}, "cuda")
     assert shared.ok and shared.figure.endswith("(not judged: 2 ranks time-slice one GPU)")
-    assert gpu_wrappers.overlap_report_row({**report, "own": False}, "cpu").ok
-    own = gpu_wrappers.overlap_report_row({**report, "own": True}, "cuda")
+    assert gpu_probes.overlap_report_row({**report, "own": False}, "cpu").ok
+    own = gpu_probes.overlap_report_row({**report, "own": True}, "cuda")
     assert not own.ok and own.name == "ddp overlap, 2 gloo ranks, a GPU each"
 
 
 # BatchNorm evaluation, both DDPs' gradients: 2 CPU ranks, forked so that the bug put back reaches them -----
 @pytest.mark.slow
 def test_batchnorm_row_passes_on_two_ranks(tmp_path):
-    report = gpu_wrappers.ranks(gpu_wrappers.batchnorm_worker, "cpu", tmp_path, start_method="fork")
-    row = gpu_wrappers.batchnorm_row(report, tmp_path, "cpu")
+    report = gpu_probes.ranks(gpu_probes.batchnorm_worker, "cpu", tmp_path, start_method="fork")
+    row = gpu_probes.batchnorm_row(report, tmp_path, "cpu")
     assert row.ok, row
 
 
 @pytest.mark.slow
 def test_batchnorm_row_fails_when_evaluation_skips_rank_0s_buffers(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "buffers_from_rank0", lambda model: None)  # each rank evaluates its own statistics
-    report = gpu_wrappers.ranks(gpu_wrappers.batchnorm_worker, "cpu", tmp_path, start_method="fork")
-    row = gpu_wrappers.batchnorm_row(report, tmp_path, "cpu")
+    report = gpu_probes.ranks(gpu_probes.batchnorm_worker, "cpu", tmp_path, start_method="fork")
+    row = gpu_probes.batchnorm_row(report, tmp_path, "cpu")
     assert not row.ok, row
 
 
 def test_gradient_rows_pass_on_two_ranks(tmp_path):
-    report = gpu_wrappers.ranks(gpu_wrappers.gradient_worker, "cpu", tmp_path, start_method="fork")
-    rows = gpu_wrappers.gradient_rows(report, "cpu")
+    report = gpu_probes.ranks(gpu_probes.gradient_worker, "cpu", tmp_path, start_method="fork")
+    rows = gpu_probes.gradient_rows(report, "cpu")
     assert [row.ok for row in rows] == [True, True], rows
 
 
 def test_gradient_rows_fail_when_our_ddp_sums_instead_of_averaging(tmp_path, monkeypatch):
     send = Bucket.send
     monkeypatch.setattr(Bucket, "send", lambda self, params, scale: send(self, params, 1.0))
-    report = gpu_wrappers.ranks(gpu_wrappers.gradient_worker, "cpu", tmp_path, start_method="fork")
-    assert [row.ok for row in gpu_wrappers.gradient_rows(report, "cpu")] == [False, True]
+    report = gpu_probes.ranks(gpu_probes.gradient_worker, "cpu", tmp_path, start_method="fork")
+    assert [row.ok for row in gpu_probes.gradient_rows(report, "cpu")] == [False, True]
 
 
 # NCCL: stubbed by gloo, bound to a stand-in device where init_process_group is given device_id ----------------
@@ -225,12 +225,12 @@ def stubbed_nccl(monkeypatch, tmp_path):
 
 
 def test_nccl_row_passes_when_process_setup_binds_the_device(stubbed_nccl):
-    row = gpu_wrappers.nccl_row(gpu_wrappers.nccl_binding("cuda"))
+    row = gpu_probes.nccl_row(gpu_probes.nccl_binding("cuda"))
     assert row.ok and row.figure == "bound to cpu:0; barrier warnings: 0", row
 
 
 def test_nccl_row_fails_without_device_id(stubbed_nccl, monkeypatch):
     unbound = lambda backend, **kwargs: stubbed_nccl(backend, **{k: v for k, v in kwargs.items() if k != "device_id"})  # noqa: E731
     monkeypatch.setattr(torch.distributed, "init_process_group", unbound)
-    row = gpu_wrappers.nccl_row(gpu_wrappers.nccl_binding("cuda"))
+    row = gpu_probes.nccl_row(gpu_probes.nccl_binding("cuda"))
     assert not row.ok and row.figure.startswith("bound to None"), row

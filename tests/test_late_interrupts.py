@@ -8,12 +8,12 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import HANG_S
 
-from mnist_dist.tools.docs_numbers import ROOT
-
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
 
 

@@ -667,7 +667,7 @@ SLOW_MODEL = ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-
             "interrupted; the checks did not finish",
         ),
         (
-            ["mnist_dist.tools.bench", "--cases=single,ceiling", "--repeats=2", "--steps=6", "--warmup=2"],
+            ["mnist_dist.tools.bench", "--cases=single,ddp", "--repeats=2", "--steps=6", "--warmup=2"],
             "round 1/2 single:",
             signal.SIGINT,
             "interrupted; no report written",

@@ -10,8 +10,7 @@ from helpers import FASHION, compose_config, scalars, validate_here
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools import ablation
-from mnist_dist.tools import time_to_accuracy as tta
+from mnist_dist.tools import bench
 
 
 class TinyMLP(torch.nn.Sequential):
@@ -102,71 +101,16 @@ def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
 
 
-def test_time_to_accuracy_table_medians_worst_misses_and_targets():
-    def run(seconds_91, seconds_92, accuracy):
-        return {"seconds_to": [seconds_91, seconds_92], "test_accuracy": accuracy}
-
-    samples = {
-        "single": [run(30.0, 40.0, 0.921), run(35.0, 50.0, 0.922), run(31.0, 45.0, 0.923)],
-        "ddp": [run(36.0, 48.0, 0.920), run(40.0, 55.0, 0.921), run(41.0, 58.5, 0.925)],  # ratios 1.2, 1.1, 1.3
-        "torch_ddp": [run(40.0, 50.0, 0.920), run(44.0, None, 0.915), run(38.0, 52.0, 0.921)],
-    }
-    targets = [0.91, 0.92]
-    result = tta.summarize(samples, targets)
-    single = result["cases"]["single"]["targets"]
-    assert (single[0.92]["median_s"], single[0.92]["worst_s"], single[0.91]["median_s"]) == (45.0, 50.0, 31.0)
-    assert result["single_met"] and result["ddp_ratio"] == pytest.approx(1.2) and result["ddp_met"]
-    missed = result["cases"]["torch_ddp"]["targets"]
-    assert missed[0.92]["reached"] == 2 and missed[0.92]["worst_s"] is None and missed[0.91]["worst_s"] == 44.0
-    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
-    info.update(memory_gib=23.5, torch="2.14.1")
-    settings = {"targets": targets, "dataset": "fashion_mnist", "device": "cpu", "gpus": 2, "eval_every": 47}
-    settings["seeds"] = 3
-    table = tta.markdown({**result, "classic_seconds": 45.0, "classic_accuracy": 0.84}, settings, info, "1.0 0.5 0.2")
-    assert "; load average 1.0 0.5 0.2 (1, 5, 15 min)" in table.splitlines()[0]
-    assert "recipe=fast to 91.0% and 92.0% test accuracy" in table
-    assert "| single | 91.0% | 3/3 | 31.0 | 35.0 |  |" in table
-    assert "| single | 92.0% | 3/3 | 45.0 | 50.0 | 92.10% – 92.30% (mean 92.20%) |" in table
-    assert "| torch_ddp | 92.0% | 2/3 | 51.0 | not reached |" in table
-    assert "| single reaches 92.0% within 60 s | worst 50.0 s | yes |" in table
-    assert "| ddp within 1.3x single's time | 1.20x (median of per-seed ratios) | yes |" in table
-    assert "recipe=classic (seed 1) after the same 45.0 s of training (fast single's median): 84.00%" in table
-
-
 def test_time_to_each_target_is_read_from_the_training_time_curve(make_config, tmp_path):
     # The run stops at the highest target; a lower one's time is its first evaluation on the same curve.
     results = results_of(make_config, tmp_path / "run", "target_accuracy=0.5", "eval_every_steps=2")
-    curve = tta.accuracy_curve(tmp_path / "run")
+    curve = bench.accuracy_curve(tmp_path / "run")
     assert list(curve.values()) == list(read_scalars(tmp_path / "run")["test/accuracy"].values())
-    assert tta.seconds_to(curve, 0.5) == pytest.approx(results["time_to_target_s"], abs=1e-3)
-    lower = tta.seconds_to(curve, 0.2)
-    assert lower <= tta.seconds_to(curve, 0.5) and curve[lower] >= 0.2
+    assert bench.seconds_to(curve, 0.5) == pytest.approx(results["time_to_target_s"], abs=1e-3)
+    lower = bench.seconds_to(curve, 0.2)
+    assert lower <= bench.seconds_to(curve, 0.5) and curve[lower] >= 0.2
     assert all(accuracy < 0.2 for at, accuracy in curve.items() if at < lower)
-    assert tta.seconds_to(curve, 1.01) is None
-    assert tta.accuracy_at(tmp_path / "run", lower) == curve[lower]
-
-
-def test_ablation_table_means_ranges_and_a_budget_without_evaluation():
-    def run(within, final, speed, seconds):
-        return {"accuracy_within_budget": within, "test_accuracy": final, "train_images_per_s": speed}, seconds
-
-    def runs(*rows):
-        return [{**sample, "train_time_s": seconds} for sample, seconds in (run(*row) for row in rows)]
-
-    samples = {
-        "recipe": runs((0.921, 0.921, 5000.0, 40.0), (0.925, 0.925, 5200.0, 41.0), (0.923, 0.923, 5100.0, 39.0)),
-        "previous": runs((None, 0.913, 900.0, 70.0), (0.905, 0.912, 950.0, 65.0), (0.904, 0.911, 800.0, 75.0)),
-    }
-    rows = ablation.summarize(samples)
-    assert rows["recipe"]["within_mean"] == pytest.approx(0.923) and rows["recipe"]["images_per_s"] == 5100.0
-    assert rows["previous"]["within_mean"] is None and rows["previous"]["train_s"] == 70.0
-    info = {"cpu": "AMD EPYC", "cpu_flags": [], "cpu_capability": "AVX2", "cores": 2, "torch_threads": 2}
-    info.update(memory_gib=23.5, torch="2.14.1")
-    settings = {"dataset": "fashion_mnist", "device": "cpu", "seeds": 3, "eval_every": 47}
-    table = ablation.markdown(rows, settings, info, "0.1 0.2 0.3")
-    assert "| recipe | recipe=fast as it is: widths 24-48-96, 4 epochs | 92.30% (92.10% – 92.50%) | 92.30% |" in table
-    assert table.splitlines()[6].endswith("| 5,100 | 40.0 |")
-    assert "| previous | the recipe before: widths 16-32-64, 3 epochs | no evaluation within the budget |" in table
+    assert bench.seconds_to(curve, 1.01) is None
 
 
 @pytest.mark.slow

@@ -65,9 +65,3 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", TAGS_PAGE.read_text()))
     named = {re.sub(r"^rank_\d+/", "", tag) for tag in written}
     assert named <= listed, sorted(named - listed)
-
-
-def test_the_screenshot_is_made_by_the_sweep_command_the_docs_show():
-    script = (ROOT / "mnist_dist" / "tools" / "tensorboard_screenshot.sh").read_text()
-    (command,) = re.findall(r"^(python -m mnist_dist -m .+?)(?: \\)?$", script, re.M)
-    assert any(command in path.read_text() for path in [README, *(ROOT / "docs").glob("*.md")]), command

@@ -1,17 +1,15 @@
-"""How fast is each mode, and how do they compare? Side-by-side, repeatable throughput numbers.
+"""How fast is each mode? Throughput per case, or time to accuracy; every run a fresh training process.
 
-    python -m mnist_dist.tools.bench                      # defaults: < 10 minutes on a 2-core CPU
+    python -m mnist_dist.tools.bench                      # throughput: a few minutes on a 2-core CPU
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
-    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % (time_to_accuracy.py)
-    python -m mnist_dist.tools.bench --ablation           # recipe=fast's choices, one at a time (ablation.py)
-    python -m mnist_dist.tools.bench --bucket-sweep       # both DDPs over bucket sizes (bucket_sweep.py)
+    python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % on Fashion-MNIST, 3 seeds
 
-Every case is a fresh process training the same convnet on the same generated data (so no
-download), timed by the trainer itself: device synchronised, warm-up steps left out, evaluation not
-counted. Cases that are compared run interleaved (A B A B ...), so drift in the machine's speed hits
-both; each ratio is the median of the per-round ratios. By default a case that cannot mean anything on
-the machine (bf16 on a CPU that emulates it) is skipped, with a note; ``--cases`` runs what it names.
-Writes bench.md, bench.json and bench.png.
+Throughput: each case trains on the same generated data, timed by the trainer itself; cases run interleaved
+(A B A B ...), so drift in the machine's speed hits all alike, and a ratio is the median of per-round ratios.
+A case that means nothing here (bf16 that the CPU emulates) is skipped with a note; ``--cases`` runs what it
+names. Time to accuracy: recipe=fast per mode, seeds interleaved, each run stopping at the highest of
+``--targets``; a target's time is the training clock at the first evaluation that reached it. Writes
+bench (or tta) .md, .json and .png to ``--out``, with one warning line if the machine was busy.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,56 +30,33 @@ from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_o
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch: seconds): Ctrl-C meanwhile is one line too
 
-import matplotlib
-import torch
-
 from mnist_dist.operations import files, machine
-from mnist_dist.tools import ablation, bucket_sweep, time_to_accuracy
-from mnist_dist.tools.baselines import measure_here
-from mnist_dist.tools.run import median_counters, paired_ratio, run_trainer, summarize, write_data
+from mnist_dist.operations.tensorboard import read_scalars
+from mnist_dist.tools import fractions, load_warning, save_chart, train_in_subprocess
+from mnist_dist.tools.synthetic import write_idx
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-# Trainer cases: overrides of `python -m mnist_dist`; "classic" and "ceiling" are measured here.
-CASES = {
+CASES = {  # overrides of `python -m mnist_dist`
     "single": [],
-    "classic": None,  # DataLoader over the torchvision dataset, per-sample ToTensor + Normalize
-    "ceiling": None,  # forward + backward + step on one resident batch: nothing else to do
     "single_bf16": ["amp=bf16"],
-    "single_ckpt100": ["checkpoint_every_steps=100"],  # one mid-epoch checkpoint in the timed steps
-    "single_profile": ["profile=true"],  # 5 profiled steps and the trace export in the timed steps
-    "ddp": ["mode=ddp"],  # torch's default buckets: fc2 and fc1, then the convolutions
+    "ddp": ["mode=ddp"],
     "torch_ddp": ["mode=torch_ddp"],
     "ddp_no_overlap": ["mode=ddp", "mode.overlap=false"],
-    "ddp_1_bucket": ["mode=ddp", "mode.bucket_cap_mb=25"],
-    "ddp_per_param": ["mode=ddp", "mode.bucket_cap_mb=1e-6"],  # each gradient all-reduced in its .grad
     "fsdp": ["mode=fsdp"],  # each rank holds 1/gpus of the model and gathers each layer group as it runs
 }
-GROUPS = [
-    ["single", "classic", "ceiling", "single_bf16", "single_ckpt100", "single_profile"],
-    ["ddp", "torch_ddp", "ddp_no_overlap", "ddp_1_bucket", "ddp_per_param", "fsdp"],
-]
-# (case, baseline, target ratio or None, what it answers)
-COMPARISONS = [
-    ("single", "classic", 1.15, "resident data vs a DataLoader with per-sample transforms"),
-    ("single", "ceiling", 0.95, "the trainer vs bare forward+backward+step"),
-    ("ddp", "torch_ddp", 1.05, "our DDP vs torch DDP, 2 ranks"),
+COMPARISONS = [  # (case, baseline, target ratio or None, what it answers)
+    ("ddp", "torch_ddp", 1.05, "our DDP vs torch DDP"),
     ("ddp", "ddp_no_overlap", None, "all-reduce overlapped with backward vs after it"),
-    ("ddp_per_param", "ddp_1_bucket", None, "one bucket per parameter vs one bucket"),
-    ("ddp", "ddp_1_bucket", None, "torch's 2 buckets (default) vs one bucket"),
-    ("fsdp", "ddp", None, "sharded parameters, gradients and optimizer state vs replicas, 2 ranks"),
+    ("fsdp", "ddp", None, "sharded parameters, gradients and optimizer state vs replicas"),
     ("single_bf16", "single", 1.5, "bf16 autocast vs fp32"),
-    ("single_ckpt100", "single", None, "checkpoint_every_steps=100 vs epoch ends only"),
-    ("single_profile", "single", None, "profile=true vs off"),
 ]
-EXPOSED_COMM_TARGET = 0.05  # ddp: share of the step spent waiting for the all-reduce after backward
+TTA_MODES = ("single", "ddp", "torch_ddp")
+SINGLE_SECONDS_TARGET = 60.0  # single reaches the highest target within a minute of training on a 2-core CPU
+DDP_RATIO_TARGET = 1.3  # ddp's time to it within 1.3x single's
 
 
 def skips(device: str, cpu_flags: list[str]) -> dict[str, str]:
     """The cases a default run leaves out on this machine, each with why (``--cases`` still runs them)."""
     if device == "cpu" and not machine.native_bf16(cpu_flags):
-        # Emulated bf16 ran at 80 images/s against 579 for fp32 on a 2-core EPYC: minutes for a known answer.
         return {"single_bf16": "no avx512_bf16 or amx_bf16 on this CPU: bf16 is emulated, several times slower"}
     return {}
 
@@ -91,87 +66,46 @@ def choose(cases: str | None, device: str, cpu_flags: list[str]) -> tuple[list[s
     if not cases:
         skipped = skips(device, cpu_flags)
         return [case for case in CASES if case not in skipped], skipped
-    unknown = sorted(set(cases.split(",")) - set(CASES))
-    if unknown:
+    if unknown := sorted(set(cases.split(",")) - set(CASES)):
         sys.exit(f"bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     return cases.split(","), {}
 
 
+def summarize(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
 def report(samples: dict[str, list[dict]], skipped: dict[str, str] | None = None) -> dict:
-    """The numbers behind the tables, from every run's measurement; ``skipped``: case -> why it did not run."""
+    """The numbers behind the tables, from every run's results; ``skipped``: case -> why it did not run."""
     skipped = skipped or {}
-    speed = {case: [run["images_per_s"] for run in runs] for case, runs in samples.items()}
+    speed = {case: [run["train_images_per_s"] for run in runs] for case, runs in samples.items()}
     cases = {
         case: {
-            **summarize(values),
-            "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in samples[case]),
-            "model_state_mib": max(max(run["model_state_mib"]) for run in samples[case]),
-            "ddp_backward_ms": median_counters(samples[case]),
+            **summarize(speed[case]),
+            "peak_rss_mib": max(max(run["peak_rss_mib"]) for run in runs),
+            "model_state_mib": max(max(run["model_state_mib"]) for run in runs),
         }
-        for case, values in speed.items()
+        for case, runs in samples.items()
     }
     comparisons = []
     for case, baseline, target, question in COMPARISONS:
-        why = skipped.get(case) or skipped.get(baseline)
-        if why:
-            comparisons.append(
-                {"name": f"{case} / {baseline}", "question": question, "kind": "skipped", "why": why, "target": target}
-            )
-        elif case in speed and baseline in speed:
-            ratio = paired_ratio(speed[case], speed[baseline])
-            comparisons.append(
-                {
-                    "name": f"{case} / {baseline}",
-                    "question": question,
-                    "kind": "ratio",
-                    **ratio,
-                    "target": target,
-                    "met": None if target is None else ratio["median"] >= target,
-                }
-            )
-    if "ddp" in samples:
-        shares = [run["step_time_ms"]["comm_wait"] / sum(run["step_time_ms"].values()) for run in samples["ddp"]]
-        comparisons.append(
-            {
-                "name": "ddp: exposed communication",
-                "kind": "share",
-                "question": "time waiting for the all-reduce after backward / step time",
-                **summarize(shares),
-                "target": EXPOSED_COMM_TARGET,
-                "met": statistics.median(shares) <= EXPOSED_COMM_TARGET,
-            }
-        )
+        row = {"name": f"{case} / {baseline}", "question": question, "target": target}
+        if why := skipped.get(case) or skipped.get(baseline):
+            comparisons.append({**row, "why": why})
+        elif case in speed and baseline in speed:  # round i of both ran back to back
+            ratio = summarize([a / b for a, b in zip(speed[case], speed[baseline])])
+            comparisons.append({**row, **ratio, "met": None if target is None else ratio["median"] >= target})
     return {"cases": cases, "comparisons": comparisons, "skipped": skipped}
-
-
-def counters_table(result: dict) -> list[str]:
-    """Both DDPs on the counters torch DDP keeps: backward compute, communication, and the part of the
-    communication backward hid; exposed = communication - overlapped."""
-    rows = [(case, row["ddp_backward_ms"]) for case, row in result["cases"].items() if row.get("ddp_backward_ms")]
-    if not rows:
-        return []
-    lines = [
-        "",
-        "| case (rank 0, ms per backward) | backward compute | communication | overlapped | exposed |",
-        "|---|---|---|---|---|",
-    ]
-    for case, c in rows:
-        exposed = c["backward_comm"] - c["backward_overlap"]
-        lines.append(
-            f"| {case} | {c['backward_compute']:.1f} | {c['backward_comm']:.1f} | {c['backward_overlap']:.1f} | "
-            f"{exposed:.1f} |"
-        )
-    return lines
 
 
 def markdown(result: dict, settings: dict, machine_info: dict) -> str:
     lines = [
         machine.summary_line(machine_info),
         "",
-        f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps "
-        f"per run, {settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
+        f"{settings['device']}, global batch {settings['batch']}, {settings['steps']} timed steps per run, "
+        f"{settings['repeats']} interleaved rounds, ddp cases on {settings['gpus']} ranks",
         "",
-        *(line for case, why in result.get("skipped", {}).items() for line in (f"skipped {case}: {why}", "")),
+        *(line for case, why in result["skipped"].items() for line in (f"skipped {case}: {why}", "")),
         "| case | images/s (median) | min – max | peak RSS per rank (MiB) | model state per rank (MiB) |",
         "|---|---|---|---|---|",
     ]
@@ -182,47 +116,178 @@ def markdown(result: dict, settings: dict, machine_info: dict) -> str:
         )
     lines += ["", "| comparison | ratio (median) | min – max | target | met |", "|---|---|---|---|---|"]
     for row in result["comparisons"]:
-        if row["kind"] == "skipped":
+        if "why" in row:
             lines.append(f"| {row['name']} | skipped: {row['why']} | | | |")
             continue
-        share = row["kind"] == "share"
-        target = "" if row["target"] is None else (f"≤ {row['target']:.0%}" if share else f"≥ {row['target']:.2f}")
-        value = (
-            f"{row['median']:.1%} | {row['min']:.1%} – {row['max']:.1%}"
-            if share
-            else f"{row['median']:.2f} | {row['min']:.2f} – {row['max']:.2f}"
-        )
+        target = "" if row["target"] is None else f"≥ {row['target']:.2f}"
         met = "" if row["met"] is None else ("yes" if row["met"] else "**no**")
-        lines.append(f"| {row['name']} | {value} | {target} | {met} |")
-    return "\n".join(lines + counters_table(result)) + "\n"
+        lines.append(
+            f"| {row['name']} | {row['median']:.2f} | {row['min']:.2f} – {row['max']:.2f} | {target} | {met} |"
+        )
+    return "\n".join(lines + [line for line in [result.get("warning")] if line]) + "\n"
 
 
-def chart(result: dict, path: Path) -> None:
-    names = list(result["cases"])
-    rows = [result["cases"][name] for name in names]
-    medians = [row["median"] for row in rows]
-    errors = [[m - row["min"] for m, row in zip(medians, rows)], [row["max"] - m for m, row in zip(medians, rows)]]
-    figure, axis = plt.subplots(figsize=(9, 3.8))
-    axis.bar(names, medians, yerr=errors, capsize=4, color="tab:blue")
-    axis.set(ylabel="images/s (global, median, min–max)", title="throughput per case")
-    axis.tick_params(axis="x", rotation=30)
-    figure.tight_layout()
-    with files.atomic(path) as out:
-        figure.savefig(out.file, format="png", dpi=110)
-    plt.close(figure)
+def bar_chart(result: dict):
+    def draw(plt):
+        names, rows = list(result["cases"]), list(result["cases"].values())
+        medians = [row["median"] for row in rows]
+        errors = [[m - row["min"] for m, row in zip(medians, rows)], [row["max"] - m for m, row in zip(medians, rows)]]
+        figure, axis = plt.subplots(figsize=(9, 3.8))
+        axis.bar(names, medians, yerr=errors, capsize=4, color="tab:blue")
+        axis.set(ylabel="images/s (global, median, min–max)", title="throughput per case")
+        return figure
+
+    return draw
 
 
-def run_case(case: str, work: Path, settings: dict, round_: int) -> dict:
-    if CASES[case] is not None:
-        return run_trainer(case, CASES[case], work, settings, round_)
-    command = [
-        *(sys.executable, "-m", "mnist_dist.tools.bench", "--measure", case),
-        *("--data", str(work / "data" / "MNIST" / "raw"), "--device", settings["device"]),
-        *("--batch", str(settings["batch"]), "--steps", str(settings["steps"]), "--warmup", str(settings["warmup"])),
+def train(name: str, overrides: list[str], run_dir: Path) -> dict:
+    try:
+        return train_in_subprocess(overrides, run_dir)
+    except RuntimeError as error:
+        sys.exit(f"bench: {name} failed: {error}")
+
+
+def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path, work: Path) -> tuple:
+    """Every chosen case once per round, interleaved, on generated data in ``work``: one epoch is warm-up + timed
+    steps + the first step after warm-up, which the trainer's clock also skips."""
+    write_idx(work / "data" / "MNIST" / "raw", n_train=(settings["warmup"] + settings["steps"] + 1) * settings["batch"])
+    where = [f"gpus={settings['gpus']}", f"device={settings['device']}", f"data.root={work / 'data'}"]
+    shape = ["data.mirrors=[]", "epochs=1", f"batch_size={settings['batch']}", f"warmup_steps={settings['warmup']}"]
+    samples, loads = {case: [] for case in chosen}, []
+    for round_ in range(settings["repeats"]):
+        for case in chosen:
+            loads.append(os.getloadavg()[0])
+            samples[case].append(train(case, [*CASES[case], *where, *shape], work / "runs" / f"{case}_{round_}"))
+            speed = samples[case][-1]["train_images_per_s"]
+            print(f"round {round_ + 1}/{settings['repeats']} {case}: {speed:,.0f} images/s", flush=True)
+    result = {**report(samples, skipped), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
+    saved = {"machine": machine.describe(), "settings": settings, "samples": samples, **result}
+    return write_report(out, "bench", markdown(result, settings, saved["machine"]), saved, bar_chart(result))
+
+
+def write_report(out: Path, name: str, table: str, saved: dict, draw) -> tuple[str, list[str]]:
+    """``name``.md, .json and .png in ``out``: the table and the names of what was written."""
+    out.mkdir(parents=True, exist_ok=True)
+    files.write_text(out / f"{name}.md", table)
+    files.write_text(out / f"{name}.json", json.dumps(saved, indent=2) + "\n")
+    return table, [f"{name}.md", f"{name}.json", save_chart(out / f"{name}.png", draw)]
+
+
+# time to accuracy ------------------------------------------------------------------------------------------
+def accuracy_curve(run_dir: Path) -> dict[float, float]:
+    """Test accuracy against seconds of training (evaluation left out), from the run's TensorBoard."""
+    return {ms / 1000: accuracy for ms, accuracy in read_scalars(run_dir)["test/accuracy_by_train_ms"].items()}
+
+
+def seconds_to(curve: dict[float, float], target: float) -> float | None:
+    """Seconds of training to the first evaluation at or above ``target``; None if none reached it."""
+    return next((at for at, accuracy in curve.items() if accuracy >= target), None)
+
+
+def tta_summary(samples: dict[str, list[dict]], targets: list[float]) -> dict:
+    """Per mode and target: seeds that reached it, median and worst time; per mode the accuracy at the stop;
+    whether single and ddp met their targets. Each sample is a results.json with ``seconds_to`` (a time or
+    None per target) added."""
+    cases = {}
+    for case, runs in samples.items():
+        accuracies, per_target = [run["test_accuracy"] for run in runs], {}
+        for i, target in enumerate(targets):
+            times = [run["seconds_to"][i] for run in runs if run["seconds_to"][i] is not None]
+            per_target[target] = {
+                "reached": len(times),
+                "runs": len(runs),
+                "median_s": statistics.median(times) if times else None,
+                "worst_s": max(times) if len(times) == len(runs) else None,  # a miss has no finite worst
+            }
+        cases[case] = {"targets": per_target, "accuracy": summarize(accuracies)}
+    result = {"cases": cases}
+    if "single" in cases:
+        worst = cases["single"]["targets"][targets[-1]]["worst_s"]
+        result["single_met"] = worst is not None and worst <= SINGLE_SECONDS_TARGET
+    if "single" in samples and "ddp" in samples:
+        pairs = [(d["seconds_to"][-1], s["seconds_to"][-1]) for d, s in zip(samples["ddp"], samples["single"])]
+        ratios = [a / b for a, b in pairs if a and b]
+        result["ddp_ratio"] = statistics.median(ratios) if len(ratios) == len(pairs) else None
+        result["ddp_met"] = result["ddp_ratio"] is not None and result["ddp_ratio"] <= DDP_RATIO_TARGET
+    return result
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f}"
+
+
+def tta_markdown(result: dict, settings: dict, machine_info: dict) -> str:
+    targets = settings["targets"]
+    lines = [
+        machine.summary_line(machine_info),
+        "",
+        f"recipe=fast to {' and '.join(f'{t:.1%}' for t in targets)} test accuracy on {settings['dataset']} "
+        f"({settings['device']}, ddp cases on {settings['gpus']} ranks), exact evaluation every "
+        f"{settings['eval_every']} steps, seeds 1–{settings['seeds']} interleaved; time = training only",
+        "",
+        "| mode | target | reached | time to target, median (s) | worst (s) | test accuracy at stop |",
+        "|---|---|---|---|---|---|",
     ]
-    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    for case, row in result["cases"].items():
+        accuracy = row["accuracy"]
+        stop = f"{accuracy['min']:.2%} – {accuracy['max']:.2%} (median {accuracy['median']:.2%})"
+        for target, times in row["targets"].items():
+            lines.append(
+                f"| {case} | {target:.1%} | {times['reached']}/{times['runs']} | {_seconds(times['median_s'])} "
+                f"| {_seconds(times['worst_s'])} | {stop if target == targets[-1] else ''} |"
+            )
+    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    if "single_met" in result:
+        worst = result["cases"]["single"]["targets"][targets[-1]]["worst_s"]
+        measured, met = (
+            "not reached" if worst is None else f"worst {worst:.1f} s",
+            "yes" if result["single_met"] else "**no**",
+        )
+        lines.append(f"| single reaches {targets[-1]:.1%} within {SINGLE_SECONDS_TARGET:.0f} s | {measured} | {met} |")
+    if "ddp_ratio" in result:
+        ratio = "—" if result["ddp_ratio"] is None else f"{result['ddp_ratio']:.2f}x"
+        met = "yes" if result["ddp_met"] else "**no**"
+        lines.append(f"| ddp within {DDP_RATIO_TARGET}x single's time | {ratio} (median of per-seed ratios) | {met} |")
+    return "\n".join(lines + [line for line in [result.get("warning")] if line]) + "\n"
 
 
+def curve_chart(curves: dict[str, dict[float, float]], targets: list[float]):
+    def draw(plt):
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for name, curve in curves.items():
+            axis.plot(list(curve), [100 * accuracy for accuracy in curve.values()], marker=".", label=name)
+        for target in targets:
+            axis.axhline(100 * target, color="grey", linewidth=0.6, linestyle="--")
+        axis.set(xlabel="training seconds (evaluation left out)", ylabel="test accuracy (%)", title="seed 1")
+        axis.legend()
+        return figure
+
+    return draw
+
+
+def run_tta(args: argparse.Namespace, out: Path, work: Path) -> tuple:
+    targets, loads = args.targets, []
+    where = [f"gpus={args.gpus}", f"device={args.device}", f"data={args.dataset}", f"data.mirrors=[{args.data_dir}]"]
+    stop_at = ["recipe=fast", f"target_accuracy={targets[-1]}", f"eval_every_steps={args.eval_every}"]
+    samples, curves = {case: [] for case in TTA_MODES}, {}
+    for seed in range(1, args.seeds + 1):
+        for case in TTA_MODES:
+            run_dir = work / "runs" / f"{case}_seed{seed}"
+            loads.append(os.getloadavg()[0])
+            overrides = [f"mode={case}", *stop_at, f"seed={seed}", *where, f"data.root={work / 'data'}"]
+            results = train(f"{case} seed {seed}", overrides, run_dir)
+            curve = accuracy_curve(run_dir)
+            curves.setdefault(case, curve)  # seed 1's
+            samples[case].append({**results, "seconds_to": [seconds_to(curve, target) for target in targets]})
+            print(f"seed {seed} {case}: {_seconds(samples[case][-1]['seconds_to'][-1])} s to target", flush=True)
+    result = {**tta_summary(samples, targets), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
+    settings = {key: getattr(args, key) for key in ("targets", "dataset", "device", "gpus", "eval_every", "seeds")}
+    saved = {"machine": machine.describe(), "settings": settings, **result}
+    table = tta_markdown(result, settings, saved["machine"])
+    return write_report(out, "tta", table, json.loads(json.dumps(saved, default=str)), curve_chart(curves, targets))
+
+
+# the command line ------------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not the usage as well: --help shows that
         sys.exit(f"bench: {message} (--help lists the options)")
@@ -240,87 +305,46 @@ def at_least(least: int):
     return count
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", type=at_least(1), default=2, help="ranks of the ddp cases")
     parser.add_argument("--batch", type=at_least(1), default=64, help="global batch")
-    parser.add_argument("--steps", type=at_least(1), help="timed steps per run (default 150; --bucket-sweep: its own)")
+    parser.add_argument("--steps", type=at_least(1), default=150, help="timed steps per run")
     parser.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps first")
-    parser.add_argument("--repeats", type=at_least(1), help="interleaved rounds (default 3; --bucket-sweep: its own)")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="interleaved rounds")
     parser.add_argument("--cases", help="comma-separated subset (default: every case that means something here)")
     parser.add_argument("--out", type=Path, default=Path("outputs", "bench", time.strftime("%Y-%m-%d_%H-%M-%S")))
-    ablation.add_arguments(time_to_accuracy.add_arguments(parser))
-    sweep = parser.add_argument_group("bucket sizes (mnist_dist/tools/bucket_sweep.py)")
-    sweep.add_argument("--bucket-sweep", action="store_true", help="ddp and torch_ddp over bucket sizes")
-    sweep.add_argument("--sizes", help="bucket sizes in MB (MiB), comma-separated (default 0.05,0.25,1,4,25)")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one in-process case
-    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    tta = parser.add_argument_group("time to accuracy")
+    tta.add_argument("--time-to-accuracy", action="store_true", help="recipe=fast to --targets, per mode and seed")
+    tta.add_argument("--targets", type=fractions, default="0.91,0.92", help="accuracies to reach; stops at the highest")
+    tta.add_argument("--seeds", type=at_least(1), default=3, help="seeds 1..N, modes interleaved")
+    tta.add_argument("--eval-every", type=at_least(1), default=47, help="steps between exact evaluations")
+    tta.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "mnist"])
+    tta.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="a data.mirrors entry")
+    return parser.parse_args(argv)
 
 
-def run_settings(args: argparse.Namespace, steps: int, repeats: int) -> dict:
-    """What every run is given; ``steps`` and ``repeats`` where the command line gives none."""
-    given = {key: getattr(args, key) for key in ("device", "gpus", "batch", "warmup")}
-    return {**given, "steps": args.steps or steps, "repeats": args.repeats or repeats}
-
-
-def main() -> int:
-    args = parse_args()
-    if args.measure:
-        root = args.data.parent.parent  # torchvision wants <root>/MNIST/raw
-        device = torch.device(args.device)
-        print(json.dumps(measure_here(args.measure, root, args.batch, args.steps, args.warmup, device)))
-        return 0
-    # The generated data and the runs' directories (~20 MB): removed however the bench ends, Ctrl-C included.
-    with tempfile.TemporaryDirectory(prefix="mnist_dist_bench_", ignore_cleanup_errors=True) as scratch:
-        work = Path(scratch)
-        if args.ablation:
-            return ablation.run({**time_to_accuracy.settings(args, work), "variants": args.variants}, args.out)
-        if args.time_to_accuracy:
-            return time_to_accuracy.run(time_to_accuracy.settings(args, work), args.out)
-        if args.bucket_sweep:
-            settings = run_settings(args, bucket_sweep.STEPS, bucket_sweep.REPEATS)  # which fit its time budget
-            return bucket_sweep.run(settings, bucket_sweep.parse_sizes(args.sizes), args.out, work)
+def main(argv: list[str] | None = None) -> int:
+    args, started = parse_args(argv), time.monotonic()
+    if not args.time_to_accuracy:
         chosen, skipped = choose(args.cases, args.device, machine.describe()["cpu_flags"])
         for case, why in skipped.items():
             print(f"skipped {case}: {why}", flush=True)
-        return run_bench(chosen, skipped, run_settings(args, 150, 3), args.out, work)
-
-
-def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: Path, work: Path) -> int:
-    """Every chosen case, group by group, rounds interleaved within a group, in ``work``; bench.md, bench.json,
-    bench.png in ``out``."""
-    started = time.monotonic()
-    write_data(work, settings)
-    samples: dict[str, list[dict]] = {case: [] for case in chosen}
-    for group in GROUPS:
-        group = [case for case in group if case in chosen]
-        for round_ in range(settings["repeats"]):
-            for case in group:
-                samples[case].append(run_case(case, work, settings, round_))
-                print(
-                    f"round {round_ + 1}/{settings['repeats']} {case}: "
-                    f"{samples[case][-1]['images_per_s']:,.0f} images/s",
-                    flush=True,
-                )
-    result = report(samples, skipped)
-    out.mkdir(parents=True, exist_ok=True)
-    info = machine.describe()
-    table = markdown(result, settings, info)
-    files.write_text(out / "bench.md", table)
-    files.write_text(
-        out / "bench.json",
-        json.dumps({"machine": info, "settings": settings, "samples": samples, **result}, indent=2) + "\n",
-    )
-    chart(result, out / "bench.png")
+    # The generated data and the runs' directories: removed however the bench ends, Ctrl-C included.
+    with tempfile.TemporaryDirectory(prefix="mnist_dist_bench_", ignore_cleanup_errors=True) as scratch:
+        if args.time_to_accuracy:
+            table, written = run_tta(args, args.out, Path(scratch))
+        else:
+            settings = {key: getattr(args, key) for key in ("device", "gpus", "batch", "warmup", "steps", "repeats")}
+            table, written = run_bench(chosen, skipped, settings, args.out, Path(scratch))
     minutes = (time.monotonic() - started) / 60
-    print("\n" + table + f"\nwrote {out}/bench.md, bench.json, bench.png ({minutes:.1f} minutes)")
+    print(f"\n{table}\nwrote {args.out}: {', '.join(written)} ({minutes:.1f} minutes)")
     return 0
 
 
 if __name__ == "__main__":
-    raise_on_interrupt()  # Ctrl-C and SIGTERM: the running case is stopped (subprocess.run kills it), then one line
+    raise_on_interrupt()  # Ctrl-C and SIGTERM: the running case is stopped with its ranks, then one line
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -12,15 +12,17 @@ outputs/compare/<date>/<time>/, beside the run directories (``<mode>`` for round
 after it), and exits 1 if the modes disagree. Loss and accuracy come from round 1: runs are
 deterministic, so the other rounds only time the same computation again. A warning line says when
 the throughput column is not to be trusted: a spread over 10 % or a load average above the cores.
-Before the first run it says how many there are and about how long they take (their steps at the cost of one,
-from a 5-step probe), and once the first is done the time the rest take at its pace. A run
-that Ctrl-C or an error stops is removed: only complete runs stay. ``-h``: this text.
+Before the first run it says how many runs there are, and once the first is done the time the rest take
+at its pace. A run that Ctrl-C or an error stops is removed: only complete runs stay. ``-h``: this text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -35,7 +37,7 @@ from mnist_dist.operations.errors import DataError, command, exit_on_interrupt, 
 if __name__ == "__main__":
     exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
 
-import matplotlib
+import yaml
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -44,16 +46,22 @@ from torch import nn
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.model import instantiate_model
-from mnist_dist.modes import world_size
+from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.tools import compare_estimate, compare_options
+from mnist_dist.tools import load_warning, save_chart
 from mnist_dist.topology import resolve
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
+OPTIONS = {
+    "modes": ["single", "dp", "ddp", "torch_ddp"],
+    # Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means), so
+    # fp32 rounding differs from the first step, and training amplifies it over a run. So the first logged
+    # step must agree closely and the rest loosely.
+    "tolerance": 0.05,
+    "early_tolerance": 1e-4,
+    "repeats": 3,
+}
 # Above this spread ((max - min) / median of a mode's images/s over the rounds) the ranking of modes
 # within it is noise: runs on an idle 2-core machine vary by about this much.
 SPREAD_WARNING = 0.10
@@ -131,13 +139,7 @@ def warnings(report: dict, load_average: float, cores: int) -> list[str]:
             f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({worst}): "
             "the ranking by speed may be noise; rerun on an idle machine or with more repeats="
         )
-    if load_average > cores:
-        lines.append(
-            f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads "
-            "count too): more work than cores competed, so images/s is unreliable (loss and accuracy are not "
-            "affected)"
-        )
-    return lines
+    return lines + [line for line in [load_warning(load_average, cores)] if line]
 
 
 def markdown(report: dict) -> str:
@@ -161,29 +163,27 @@ def markdown(report: dict) -> str:
     return text + "".join(f"\n{line}\n" for line in report["warnings"])
 
 
-def chart(report: dict, curves: dict[str, dict[int, float]], path: Path) -> None:
-    figure, (losses, speed) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    for (mode, curve), style in zip(curves.items(), ["-", "--", ":", "-."] * 3):
-        # Agreeing modes lie on top of each other: a line style each keeps every one visible.
-        losses.plot(list(curve), list(curve.values()), style, label=mode, linewidth=1.2)
-    losses.set(
-        xlabel="optimizer step (same global batch in every mode)", ylabel="training loss", yscale="log", title="loss"
-    )
-    losses.legend()
-    rows = report["rows"]
-    medians = [row["images_per_s"] for row in rows]
-    spread = [
-        [m - row["images_per_s_min"] for m, row in zip(medians, rows)],
-        [row["images_per_s_max"] - m for m, row in zip(medians, rows)],
-    ]
-    bars = speed.bar([row["mode"] for row in rows], medians, yerr=spread, capsize=4, color="tab:blue")
-    speed.bar_label(bars, labels=[f"{m:,.0f}" for m in medians], label_type="center", color="white")
-    rounds = len(rows[0]["images_per_s_rounds"])
-    speed.set(ylabel="images/s (global)", title=f"throughput: median and min–max of {rounds} rounds")
-    figure.tight_layout()
-    with files.atomic(path) as out:
-        figure.savefig(out.file, format="png", dpi=110)
-    plt.close(figure)
+def chart(report: dict, curves: dict[str, dict[int, float]]):
+    def draw(plt):
+        figure, (losses, speed) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+        for (mode, curve), style in zip(curves.items(), ["-", "--", ":", "-."] * 3):
+            # Agreeing modes lie on top of each other: a line style each keeps every one visible.
+            losses.plot(list(curve), list(curve.values()), style, label=mode, linewidth=1.2)
+        losses.set(xlabel="optimizer step (same global batch in every mode)", ylabel="training loss", yscale="log")
+        losses.legend()
+        rows = report["rows"]
+        medians = [row["images_per_s"] for row in rows]
+        spread = [
+            [m - row["images_per_s_min"] for m, row in zip(medians, rows)],
+            [row["images_per_s_max"] - m for m, row in zip(medians, rows)],
+        ]
+        speed.bar([row["mode"] for row in rows], medians, yerr=spread, capsize=4, color="tab:blue")
+        speed.set(
+            ylabel="images/s (global)", title=f"median and min–max of {len(rows[0]['images_per_s_rounds'])} rounds"
+        )
+        return figure
+
+    return draw
 
 
 def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]) -> int:
@@ -196,22 +196,25 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
     overrides: list[str] = []
     try:
-        options, overrides = compare_options.parse(argv)
+        options, overrides = parse(argv)
         configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
         out = fresh_dir(out)
-        results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
+        try:
+            results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
+        except BaseException:
+            for directory in (out, out.parent):  # when empty: no complete run in it
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
     except HydraException as error:
         message = describe_hydra_error(error)
         if "valid keys: " in message:
-            message += f", {compare_options.OWN_KEYS} (compare's own)"
+            message += f", {', '.join(OPTIONS)} (compare's own)"
         sys.exit(f"error: {message}")
     except (ConfigError, DataError, WorkerFailed, TrainingDiverged) as error:  # one line each
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:
-        kept = out.is_dir() and any(out.iterdir())
-        if out.is_dir() and not kept:
-            out.rmdir()  # nothing complete in it
-        interrupted(f"interrupted; no report written{f' (the complete runs: {out})' if kept else ''}")
+        interrupted(f"interrupted; no report written{f' (the complete runs: {out})' if out.is_dir() else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
     report["machine"] = machine.describe()
     report["load_average_max"] = peak_load
@@ -220,21 +223,58 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     print("\n" + table)
     files.write_text(out / "compare.md", table)
     files.write_text(out / "compare.json", json.dumps(report, indent=2) + "\n")
-    chart(report, curves, out / "compare.png")
-    print(f"wrote {out}/compare.md, compare.json, compare.png")
+    print(f"wrote {out}: compare.md, compare.json, {save_chart(out / 'compare.png', chart(report, curves))}")
     return 0 if report["agree"] else 1
 
 
 def fresh_dir(path: Path) -> Path:
     """``path`` created, or ``path_2``, ``path_3``, ... when another compare of the same second has it."""
-    for n in range(1, 1000):
+    for n in itertools.count(1):
         candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
-        try:
+        with contextlib.suppress(FileExistsError):
             candidate.mkdir(parents=True)
             return candidate
-        except FileExistsError:
+
+
+def parse(argv: list[str]) -> tuple[dict, list[str]]:
+    """compare's own options, each checked into one line before any run starts; the overrides for every mode."""
+    options, overrides = dict(OPTIONS), []
+    for arg in argv:
+        key, _, text = arg.partition("=")
+        if key.lstrip("+~") == "mode":
+            raise ConfigError(f"{arg}: compare runs each mode of modes=; pass modes={text or 'single,ddp'}")
+        if key not in OPTIONS:
+            overrides.append(arg)
             continue
-    raise ConfigError(f"{path}: 999 compares in one second; remove some of {path.parent}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = None
+        if key == "modes":
+            options[key] = modes_option(text, value)
+        elif key == "repeats":
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"repeats={text} must be a whole number of rounds, at least 1")
+            options[key] = value
+        elif type(value) not in (int, float) or not math.isfinite(value) or value < 0:  # bool is no tolerance
+            raise ConfigError(f"{key}={text} must be a number, at least 0")
+        else:
+            options[key] = float(value)
+    return options, overrides
+
+
+def modes_option(text: str, value) -> list[str]:
+    choose = f"e.g. modes=[single,ddp], from: {', '.join(MODES)}"
+    if isinstance(value, str):  # modes=single,ddp: a comma list, as Hydra's -m takes it
+        value = [mode.strip() for mode in value.split(",")]
+    if value is None or isinstance(value, dict):
+        raise ConfigError(f"modes={text} is not a list of modes; {choose}")
+    if value == []:
+        raise ConfigError(f"modes={text} names no mode; {choose}")
+    for mode in value if isinstance(value, list) else [value]:
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ConfigError(f"modes={text}: {mode} is not a mode; {choose}")
+    return value if isinstance(value, list) else [value]
 
 
 def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[Config, list[str]]]:
@@ -249,7 +289,7 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
             if "dropout" in cfg.model:
                 cfg.model.dropout = False
                 said.append("model.dropout=false")
-            if "sync_batchnorm" in cfg.mode and _has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
+            if "sync_batchnorm" in cfg.mode and has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
                 cfg.mode.sync_batchnorm = True
                 said.append("mode.sync_batchnorm=true")
                 print(
@@ -260,9 +300,9 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
     return configs
 
 
-def _has_batchnorm(model_cfg) -> bool:
-    model = instantiate_model(model_cfg)
-    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+def has_batchnorm(model_cfg) -> bool:
+    batchnorms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return any(isinstance(module, batchnorms) for module in instantiate_model(model_cfg).modules())
 
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
@@ -271,7 +311,7 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
     (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
     runs = len(configs) * repeats
-    print(compare_estimate.up_front(configs, repeats), flush=True)
+    print(f"compare: {len(configs)} modes x {repeats} rounds = {runs} runs; their time is said after the first")
     for round_ in range(1, repeats + 1):
         for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
