@@ -85,25 +85,16 @@ def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, mon
     # replica would run cuda:0's weights.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     extra = ["mode.dp_block=features"] if name == "dp_block" else []
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match=f"compile=true with mode={name} on 2 GPUs: .*cuda:0's compiled model"):
         validate_here(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
-    assert str(error.value) == (
-        f"compile=true with mode={name} on 2 GPUs: DataParallel's replicas would all run cuda:0's compiled "
-        "model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
-    )
     for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
         validate_here(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
 
 
 def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
     # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match="compile=true with mode=ddp: .*nothing overlaps.*mode.overlap=false"):
         validate_here(make_config("mode=ddp", "gpus=2", "compile=true"))
-    assert str(error.value) == (
-        "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
-        "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
-        "mode.overlap=false, or compile=false"
-    )
     validate_here(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
     validate_here(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
 
@@ -276,18 +267,14 @@ def test_srun_tasks_that_share_one_gpu_are_refused_in_one_line(make_config, monk
     # "Duplicate GPU detected". How many GPUs a task sees does not say whether they are its own.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match="4 srun tasks on this node share the one GPU.*--gpus-per-task=1"):
         from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
-    assert str(error.value) == (
-        "4 srun tasks on this node share the one GPU each sees (CUDA_VISIBLE_DEVICES=0, no SLURM_GPUS_PER_TASK): "
-        "NCCL takes one rank per GPU; ask srun for --gpus-per-task=1, start one task per GPU, or pass device=cpu"
-    )
     assert from_env(make_config("mode=ddp", "gpus=4", "device=cpu")).device == torch.device("cpu")
 
 
 def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible; use device=cpu"):
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
         from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
     assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
 

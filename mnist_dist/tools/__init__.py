@@ -1,18 +1,16 @@
 """What people run beside the trainer (``python -m mnist_dist.tools.<name>``): ``compare`` (do my modes agree,
 which is fastest), ``bench`` (throughput per mode, time to accuracy), ``check`` (will my model train in every
 mode), ``gpu_check`` (every CUDA path, on a GPU machine), ``offline_bundle`` (what such a machine without
-network needs). Below: how they start training processes, and say when their speeds mean nothing."""
+network needs). Below: what they share."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from mnist_dist.operations import files
@@ -47,15 +45,6 @@ def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | No
     return json.loads((run_dir / "results.json").read_text())
 
 
-def fractions(text: str) -> list[float]:
-    """``0.91,0.92`` -> [0.91, 0.92], sorted; argparse says a bad one in one line."""
-    with contextlib.suppress(ValueError):
-        values = sorted(float(value) for value in text.split(","))
-        if all(0 < value <= 1 for value in values):
-            return values
-    raise argparse.ArgumentTypeError(f"{text}: test accuracies as fractions in (0, 1], e.g. 0.91,0.92")
-
-
 def load_warning(load_average: float, cores: int | None = None) -> str | None:
     """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
     cores = cores or os.cpu_count() or 1
@@ -67,19 +56,20 @@ def load_warning(load_average: float, cores: int | None = None) -> str | None:
     )
 
 
-def save_chart(path: Path, draw: Callable) -> str:
-    """``draw(pyplot)``'s figure saved to ``path`` as PNG; the file's name, or why there is none: matplotlib is
-    an extra (``pip install -e '.[plot]'``) that only the charts need."""
-    try:
-        import matplotlib
-    except ImportError:
-        return f"no {path.name} (charts need matplotlib: pip install -e '.[plot]')"
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
+    """The four IDX files of small, learnable MNIST-format data in ``raw`` (class k: a bright square at spot k
+    on noise), for what must train without downloading; returns ``raw``."""
+    import torch  # here: the tools start (and offline_bundle runs) without it
 
-    figure = draw(plt)
-    figure.tight_layout()
-    with files.atomic(path) as out:
-        figure.savefig(out.file, format="png", dpi=110)
-    plt.close(figure)
-    return path.name
+    raw.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = (torch.arange(n) % 10)[torch.randperm(n, generator=generator)]
+        images = torch.randint(0, 96, (n, 28, 28), generator=generator, dtype=torch.uint8)
+        for i, label in enumerate(labels.tolist()):
+            row, col = divmod(label, 4)
+            images[i, 2 + 8 * row : 8 + 8 * row, 2 + 7 * col : 7 + 7 * col] = 255
+        image_bytes, label_bytes = images.numpy().tobytes(), labels.to(torch.uint8).numpy().tobytes()
+        files.write(raw / f"{prefix}-images-idx3-ubyte", struct.pack(">IIII", 0x803, n, 28, 28) + image_bytes)
+        files.write(raw / f"{prefix}-labels-idx1-ubyte", struct.pack(">II", 0x801, n) + label_bytes)
+    return raw
