@@ -1,7 +1,5 @@
-"""What people run beside the trainer (``python -m mnist_dist.tools.<name>``): ``compare`` (do my modes agree,
-which is fastest), ``bench`` (throughput per mode, time to accuracy), ``check`` (will my model train in every
-mode), ``gpu_check`` (every CUDA path, on a GPU machine), ``offline_bundle`` (what such a machine without
-network needs). Below: what they share."""
+"""What people run beside the trainer, ``python -m mnist_dist.tools.<name>``: compare, bench, check, gpu_check,
+offline_bundle (each says what it does). Below: what they share."""
 
 from __future__ import annotations
 
@@ -33,6 +31,15 @@ def bounded(command: list[str], timeout: float | None = None) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def composed(*overrides: str):
+    """The Config ``python -m mnist_dist <overrides>`` runs with (Hydra imported here: gpu_check starts without)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
 def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | None = None) -> dict:
     """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, killed with its ranks
     after ``timeout`` seconds; its results.json. A failed run raises RuntimeError with its exit status and last
@@ -48,12 +55,8 @@ def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | No
 def load_warning(load_average: float, cores: int | None = None) -> str | None:
     """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
     cores = cores or os.cpu_count() or 1
-    if load_average <= cores:
-        return None
-    return (
-        f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
-        "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
-    )
+    busy = f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' threads count too): "
+    return busy + "images/s is unreliable (loss and accuracy are not affected)" if load_average > cores else None
 
 
 def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:

@@ -4,12 +4,11 @@
     python -m mnist_dist.tools.bench --device cuda --batch 512 --steps 400 --gpus 4
     python -m mnist_dist.tools.bench --time-to-accuracy   # recipe=fast to 91 % and 92 % on Fashion-MNIST, 3 seeds
 
-Throughput: each case trains on the same generated data, timed by the trainer itself; cases run interleaved
-(A B A B ...), so drift in the machine's speed hits all alike, and a ratio is the median of per-round ratios.
-A case that means nothing here (bf16 that the CPU emulates) is skipped with a note; ``--cases`` runs what it
-names. Time to accuracy: recipe=fast per mode, seeds interleaved, each run stopping at 92 %; a target's time
-is the training clock at the first evaluation that reached it. Writes bench (or tta) .md and .json to
-``--out``, with one warning line if the machine was busy.
+Throughput: each case trains on the same generated data, timed by the trainer; cases run interleaved (A B A B),
+so drift in the machine's speed hits all alike, and a ratio is the median of per-round ratios. A case that means
+nothing here (bf16 that the CPU emulates) is skipped with a note; ``--cases`` runs what it names. Time to
+accuracy: recipe=fast per mode, seeds interleaved, each run stopping at 92 %; a target's time is the training
+clock at its first evaluation that reached it. Writes bench (or tta) .md and .json to ``--out``.
 """
 
 from __future__ import annotations
@@ -169,7 +168,8 @@ def run_tta(args: argparse.Namespace, work: Path) -> tuple:
             results = train(f"{case} seed {seed}", overrides, run_dir)
             curve = accuracy_curve(run_dir)
             samples[case].append({**results, "seconds_to": [seconds_to(curve, target) for target in TARGETS]})
-            print(f"seed {seed} {case}: {samples[case][-1]['seconds_to'][-1]} s to target", flush=True)
+            reached = samples[case][-1]["seconds_to"][-1]
+            print(f"seed {seed} {case}: {'not reached' if reached is None else f'{reached:.1f} s'}", flush=True)
     return write_report(args, "tta", tta_markdown(samples, args), samples, loads)
 
 

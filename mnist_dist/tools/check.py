@@ -4,10 +4,9 @@
     python -m mnist_dist.tools.check model=resnet
     python -m mnist_dist.tools.check model._target_=my_pkg.models.MyNet ~model.dropout
 
-Arguments are Hydra overrides, as for ``python -m mnist_dist``: the model is built from the config, and
-``mode.*`` options (sync_batchnorm, find_unused_parameters, dp_block, split_at) and ``deterministic``
-count. It takes one step in every mode on random MNIST-shaped batches, ddp, torch_ddp and fsdp on 2 CPU
-ranks with gloo, and prints one line per check: OK, WARN or FAIL, and why. Exits 1 if any check fails.
+Arguments are Hydra overrides, as for ``python -m mnist_dist`` (``mode.*`` options and ``deterministic`` count).
+It takes one step in every mode on random MNIST-shaped batches, ddp, torch_ddp and fsdp on 2 CPU ranks, and
+prints one line per check: OK, WARN or FAIL, and why. Exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -21,14 +20,12 @@ from pathlib import Path
 from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+    exit_on_interrupt()  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from torch import nn
 
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
@@ -38,6 +35,7 @@ from mnist_dist.operations import files
 from mnist_dist.parallel import WorkerFailed, spawn, unwrap
 from mnist_dist.parallel.state import model_state
 from mnist_dist.step import Precision, compute_gradients, train_step
+from mnist_dist.tools import composed
 from mnist_dist.topology import deterministic_kernels, device_type, resolve
 
 RANKS = 2
@@ -71,12 +69,11 @@ def names(items: list[str]) -> str:
 def check_modes(cfg: Config) -> tuple[Line, list[str]]:
     """One step in each one-process mode (their CPU equivalents) with its conf/mode/ settings, the configured
     mode as configured; also returns the parameters that got no gradient in single mode."""
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-        variants = {
-            name: cfg.mode if name == cfg.mode.name else OmegaConf.to_object(compose("config", [f"mode={name}"]).mode)
-            for name, mode in MODES.items()
-            if mode.processes is Processes.ONE
-        }
+    variants = {
+        name: cfg.mode if name == cfg.mode.name else composed(f"mode={name}").mode
+        for name, mode in MODES.items()
+        if mode.processes is Processes.ONE
+    }
     x, y = random_batch(0, RANKS * BATCH)
     failed, unusable, unused = [], [], []
     for name, mode in variants.items():
@@ -182,7 +179,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
                 try:
                     build(cfg).load_state_dict(state)
                 except RuntimeError as error:
-                    report["fsdp_plain"] = " ".join(str(error).split())
+                    report["fsdp_plain"] = "does not load into the model: " + " ".join(str(error).split())
             report["differing"] = _differing_buffers(unwrap(models["ddp"]))
             report["buffers"] = len(list(unwrap(models["ddp"]).buffers()))
         if rank == 0:
@@ -224,10 +221,8 @@ def check_distributed(cfg: Config, find_unused: bool) -> list[Line]:
         ok, numbers = report[name] <= TOLERANCE, f"{report[name]:.1e} (relative, tolerance {TOLERANCE:g})"
         why = f"gradients {'agree with' if ok else 'differ from'} torch DDP's: {numbers} on {RANKS} ranks"
         lines.append(("OK" if ok else "FAIL", f"{name} vs torch ddp", why))
-    if error := report.get("fsdp_plain"):
-        lines.append(("FAIL", "fsdp state", f"its full state dict does not load into the model: {error}"))
-    else:
-        lines.append(("OK", "fsdp state", "its full state dict (model.pt) loads into the model"))
+    error = report.get("fsdp_plain")
+    lines.append(("FAIL" if error else "OK", "fsdp state", f"its full state dict (model.pt) {error or 'loads'}"))
     if report["differing"]:
         why = (
             f"{len(report['differing'])} buffer(s) differ across ranks after a step ({names(report['differing'])}): "
@@ -248,14 +243,11 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     try:
-        with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-            cfg: Config = OmegaConf.to_object(compose("config", overrides=argv))
+        cfg: Config = composed(*argv)
         validate(cfg, resolve(cfg))
         parameters = sum(p.numel() for p in build(cfg).parameters())
-    except HydraException as error:
-        sys.exit(f"error: {describe_hydra_error(error)}")
-    except ConfigError as error:
-        sys.exit(f"error: {error}")
+    except (HydraException, ConfigError) as error:
+        sys.exit(f"error: {describe_hydra_error(error) if isinstance(error, HydraException) else error}")
     print(f"checking {cfg.model['_target_']} ({parameters:,} parameters): one step per mode", flush=True)
     lines = run_checks(cfg)
     width = max(len(check) for _, check, _ in lines)

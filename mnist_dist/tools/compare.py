@@ -30,7 +30,7 @@ from pathlib import Path
 from mnist_dist.operations.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+    exit_on_interrupt()  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
 
 import yaml
 from hydra import compose, initialize_config_module
@@ -132,7 +132,6 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
-    overrides: list[str] = []
     try:
         options, overrides = parse(argv)
         configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
@@ -154,8 +153,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     except KeyboardInterrupt:
         interrupted(f"interrupted; no report written{f' (the complete runs: {out})' if out.is_dir() else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
-    report["machine"] = machine.describe()
-    report["load_average_max"] = peak_load
+    report |= {"machine": machine.describe(), "load_average_max": peak_load}
     report["warnings"] = warnings(report, peak_load, report["machine"]["cores"])
     table = markdown(report)
     print("\n" + table)
@@ -188,8 +186,13 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = None
-        if key == "modes":
-            options[key] = modes_option(text, value)
+        if key == "modes":  # modes=[single,ddp] or modes=single,ddp (a comma list, as Hydra's -m takes it)
+            value = [mode.strip() for mode in value.split(",")] if isinstance(value, str) else value
+            if not isinstance(value, list) or not value or not all(m in MODES for m in map(str, value)):
+                raise ConfigError(
+                    f"modes={text} is no list of modes; e.g. modes=[single,ddp], from: {', '.join(MODES)}"
+                )
+            options[key] = value
         elif key == "repeats":
             if type(value) is not int or value < 1:
                 raise ConfigError(f"repeats={text} must be a whole number of rounds, at least 1")
@@ -199,16 +202,6 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             options[key] = float(value)
     return options, overrides
-
-
-def modes_option(text: str, value) -> list[str]:
-    """modes=[single,ddp] or modes=single,ddp (a comma list, as Hydra's -m takes it)."""
-    value = [mode.strip() for mode in value.split(",")] if isinstance(value, str) else value
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"modes={text} names no list of modes; e.g. modes=[single,ddp], from: {', '.join(MODES)}")
-    if unknown := [mode for mode in value if mode not in MODES]:
-        raise ConfigError(f"modes={text}: {unknown[0]} is not a mode; from: {', '.join(MODES)}")
-    return value
 
 
 def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[Config, list[str]]]:
@@ -223,20 +216,18 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
             if "dropout" in cfg.model:
                 cfg.model.dropout = False
                 said.append("model.dropout=false")
-            if "sync_batchnorm" in cfg.mode and has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
+            batchnorm = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+            if (
+                "sync_batchnorm" in cfg.mode
+                and not cfg.mode.sync_batchnorm
+                and any(isinstance(module, batchnorm) for module in instantiate_model(cfg.model).modules())
+            ):
                 cfg.mode.sync_batchnorm = True
                 said.append("mode.sync_batchnorm=true")
-                print(
-                    f"compare: mode={mode} with mode.sync_batchnorm=true, so that its BatchNorm sees the global batch"
-                )
+                print(f"compare: mode={mode} with mode.sync_batchnorm=true: its BatchNorm sees the global batch")
             configs[mode] = OmegaConf.to_object(cfg), said
             validate(configs[mode][0], resolve(configs[mode][0]))  # every mode checked before the first runs
     return configs
-
-
-def has_batchnorm(model_cfg) -> bool:
-    batchnorms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    return any(isinstance(module, batchnorms) for module in instantiate_model(model_cfg).modules())
 
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:

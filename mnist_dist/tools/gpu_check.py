@@ -4,12 +4,12 @@
     python -m mnist_dist.tools.gpu_check                 # and every mode on every GPU
     python -m mnist_dist.tools.gpu_check --device cpu --quick   # the check itself, on a CPU (CUDA rows skipped)
 
-Rows, in order (docs/gpus.md says what each proves): the probes (dp's replica dtype under autocast, NCCL bound
-to its GPU); the trainer at gpus=1 in single, ddp, torch_ddp, fsdp and split (ddp and torch_ddp bit for bit
-against single), single with amp=bf16, compile and channels_last; recipe=fast to 90 % and 91 %. Every probe and
-training runs in a process of its own, killed with what it started after ``--timeout`` seconds (a failed row).
-Each row is printed as it finishes and appended to ``--out``, so a killed check keeps its rows; the exit status
-is non-zero if one failed. Hydra is imported only after the preflight has said it is installed.
+Rows (docs/gpus.md says what each proves): the probes (dp's replica dtype under autocast, NCCL bound to its GPU);
+the trainer at gpus=1 in single, ddp, torch_ddp, fsdp and split (ddp and torch_ddp bit for bit against single),
+single with amp=bf16, compile and channels_last; recipe=fast to 90 % and 91 %. Every probe and training runs in
+a process of its own, killed with what it started after ``--timeout`` seconds (a failed row). Each row is printed
+and appended to ``--out`` as it finishes; the exit status is non-zero if one failed. Hydra is imported only after
+the preflight has said it is installed.
 """
 
 from __future__ import annotations
@@ -35,27 +35,21 @@ from pathlib import Path
 import torch
 
 from mnist_dist.operations import machine
-from mnist_dist.tools import bounded, train_in_subprocess, write_idx
+from mnist_dist.tools import bounded, composed, train_in_subprocess, write_idx
 
 # The module nn.DataParallel calls parallel_apply through (torch.nn.parallel exports a function of that name).
 torch_data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
 
 FASHION = Path("data", "fashion-mnist")  # the folder docs/gpus.md fills, under the directory it runs from
-# What the package needs beyond the torch stack a GPU machine comes with: import name, distribution
 NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime"}
-INSTALL = "pip install -e . (offline: pip install --no-index --find-links offline/wheels -e .)"
 PROBES = ("dp", "dp_functional", "nccl")  # each needs CUDA
 ONE_GPU = ("single", "ddp", "torch_ddp", "fsdp", "split")  # at gpus=1, each against single
 TRAIN_IMAGES, EPOCHS = 12_800, 2  # the generated data and each mode's run on it
 TARGETS = (0.90, 0.91)  # below the 92 % recipe=fast ends near on Fashion-MNIST: reaching them is a margin
-# Of single at gpus=1, on CUDA: (overrides, most relative difference of the first loss from single's). The first
-# step has the same weights and batch: only the arithmetic differs (bf16 keeps 8 bits of mantissa; compile and
-# NHWC only reorder fp32 sums).
-VARIANTS = {
-    "amp=bf16": ("amp=bf16", 0.02),
-    "compile": ("compile=true", 1e-3),
-    "channels_last": ("channels_last=true", 1e-3),
-}
+# Of single at gpus=1, on CUDA: the most relative difference of the first loss from single's. The first step has
+# the same weights and batch: only the arithmetic differs (bf16 keeps 8 bits of mantissa; compile and NHWC only
+# reorder fp32 sums).
+VARIANTS = {"amp=bf16": 0.02, "compile=true": 1e-3, "channels_last=true": 1e-3}
 
 
 @dataclasses.dataclass
@@ -87,25 +81,6 @@ def preflight(args) -> tuple[list[str], list[str]]:
 
 
 # probes: each run by a child process of its own (--probe NAME) that prints its rows as JSON --------------------
-def composed(*overrides: str):
-    """The Config the trainer would run with these overrides."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
-class ThreadProbe(torch.nn.Linear):
-    """Records the dtype it computes in and the thread it ran in (replicas share the list). It keeps the thread
-    itself: an ident is handed on to the next thread once its owner has ended."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        self.seen.append((threading.current_thread(), y.dtype))
-        return y
-
-
 def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Row:
     """mode=``name``'s wrapper, as the trainer builds it, under autocast(``dtype``): its replicas' threads (two on
     one device) against raw torch's parallel_apply. On CUDA the thread default is fp16, so bf16 shows the bug; on
@@ -113,16 +88,18 @@ def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bf
     from mnist_dist.modes import wrap_model
     from mnist_dist.parallel.state import OUTER
 
-    probe = ThreadProbe(8, 8).to(device)
+    probe, seen = torch.nn.Linear(8, 8).to(device), []
+    # The thread itself, not its ident: an ident is handed on to the next thread once its owner has ended.
+    probe.register_forward_hook(lambda module, args, y: seen.append((threading.current_thread(), y.dtype)))
     wrapped = wrap_model(probe, composed(f"mode={name}").mode, device, 1)
     wrapper = next(m for m in wrapped.modules() if isinstance(m, OUTER))
     wrapper.device_ids = [device.index or 0] * 2  # two replicas' threads on this one device
     inputs, found = [(chunk,) for chunk in torch.randn(4, 8, device=device).chunk(2)], {}
     for who, apply in (("ours", wrapper.parallel_apply), ("raw torch", torch_data_parallel.parallel_apply)):
-        probe.seen = []
+        seen.clear()
         with torch.autocast(device.type, dtype=dtype):
             apply([probe, probe], inputs, None, *([] if who == "ours" else [wrapper.device_ids]))
-        found[who] = {d for _, d in probe.seen}, len({thread for thread, _ in probe.seen})
+        found[who] = {d for _, d in seen}, len({thread for thread, _ in seen})
     said = {who: f"{'/'.join(sorted(str(d)[6:] for d in dtypes))} in {n} threads" for who, (dtypes, n) in found.items()}
     figure = f"{type(wrapper).__name__}: {said['ours']}; raw torch: {said['raw torch']}"
     visible = found["raw torch"][0] != {dtype}  # torch's own bug shows: the probe can see it
@@ -246,11 +223,11 @@ def check_modes(args, work: Path, gpus: int, names) -> Iterator[Row]:
 
 def check_variants(args, work: Path) -> Iterator[Row]:
     """Each of VARIANTS of single at gpus=1, one epoch, its first loss against single's."""
-    for variant, (override, tolerance) in VARIANTS.items():
-        if variant == "compile" and not args.compiler:
+    for variant, tolerance in VARIANTS.items():
+        if variant == "compile=true" and not args.compiler:
             continue
-        run_dir = work / "runs" / f"single_{variant.replace('=', '_')}"
-        results, error = train(args, run_dir, "gpus=1", "epochs=1", *common(args, work, 1), override)
+        run_dir = work / "runs" / f"single_{variant.split('=')[0]}"
+        results, error = train(args, run_dir, "gpus=1", "epochs=1", *common(args, work, 1), variant)
         row = Row(f"single {variant} gpus=1", "starts from single's first loss", error, False)
         if results is not None:
             curve, first = losses(run_dir), losses(work / "runs" / "single_1")[0]
@@ -322,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     args.timeout = args.timeout or (120.0 if args.device == "cuda" else 600.0)
     notes, missing = preflight(args)
     if missing:
-        print(f"gpu_check: missing {', '.join(missing)}; install with {INSTALL}")
+        offline = "pip install --no-index --find-links offline/wheels -e ."
+        print(f"gpu_check: missing {', '.join(missing)}; install with pip install -e . (offline: {offline})")
         return 1
     started, work = time.monotonic(), Path(tempfile.mkdtemp(prefix="gpu_check_"))
     write_idx(work / "data" / "MNIST" / "raw", n_train=TRAIN_IMAGES, n_test=2_000)
