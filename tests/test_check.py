@@ -42,6 +42,7 @@ def test_an_unused_layer_fails_batchnorm_warns_and_the_ddps_agree(capsys):
     )
     assert checks["batchnorm"].startswith("WARN") and "(features.1)" in checks["batchnorm"]
     assert checks["rank buffers"].startswith("WARN") and "features.1.running_mean" in checks["rank buffers"]
+    assert "checkpoints use rank 0's" in checks["rank buffers"]  # what the trainer evaluates and saves
     # The unused layer is let through for the comparison (find_unused_parameters): the numbers agree.
     for ok in ("modes", "determinism", "ddp vs torch ddp", "fsdp vs torch ddp", "fsdp state"):
         assert checks[ok].startswith("OK"), checks[ok]

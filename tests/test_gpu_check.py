@@ -43,7 +43,15 @@ def run(monkeypatch, capsys, tmp_path, *argv):
 
 
 def test_quick_on_a_cpu_is_the_modes_at_one_gpu_and_time_to_accuracy(faked, monkeypatch, capsys, tmp_path):
+    seen, train = [], gpu_check.train  # the out file when each run starts: a check killed then keeps its rows
+
+    def reading(args, run_dir, *overrides):
+        seen.append(args.out.read_text())
+        return train(args, run_dir, *overrides)
+
+    monkeypatch.setattr(gpu_check, "train", reading)
     code, out, rows = run(monkeypatch, capsys, tmp_path, "--device", "cpu", "--quick")
+    assert "| single gpus=1, generated data |" in seen[1] and "| ddp gpus=1" not in seen[1]
     assert code == 0 and "all rows passed" in out, out
     assert faked[0] == ["single_1", "ddp_1", "torch_ddp_1", "fsdp_1", "split_1", "fast"]  # no probe, no variant
     assert "holds no Fashion-MNIST" in out and "what needs CUDA is skipped" in out
@@ -82,11 +90,19 @@ def test_a_run_at_one_gpu_that_is_not_singles_fails_the_bitwise_row(monkeypatch,
     assert not ok and "differs from step 2" in figure and "model.pt differs" in figure
 
 
-def test_preflight_says_what_is_missing_in_one_line(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(sys.modules, "hydra", None)  # a GPU machine's own torch stack, without Hydra
+@pytest.mark.parametrize("missing", ["hydra-core", "mnist_dist"])
+def test_preflight_says_what_is_missing_in_one_line(monkeypatch, capsys, tmp_path, missing):
+    if missing == "hydra-core":  # a GPU machine's own torch stack, without Hydra
+        monkeypatch.setitem(sys.modules, "hydra", None)
+    else:  # the clone on the path, not installed: its Hydra configs are not there
+
+        def not_installed(name):
+            raise gpu_check.importlib.metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(gpu_check.importlib.metadata, "version", not_installed)
     assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "out")]) == 1
     (line,) = capsys.readouterr().out.splitlines()
-    assert "missing hydra-core" in line and "--find-links offline/wheels" in line
+    assert f"missing {missing}" in line and "--find-links offline/wheels" in line
     assert not (tmp_path / "out").exists()
 
 
@@ -151,11 +167,12 @@ def test_quick_on_the_cpu_fails_the_bitwise_row_where_ddp_at_world_size_1_divide
         "Bucket.send = lambda self, params, scale, group: send(self, params, scale / 2, group)\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(gpu_check, "ONE_GPU", ("single", "ddp"))  # torch_ddp, fsdp, split: as in the faked tests
     monkeypatch.setattr(gpu_check, "TRAIN_IMAGES", 640)
     monkeypatch.setattr(gpu_check, "EPOCHS", 1)
     monkeypatch.setattr(gpu_check, "TARGETS", (0.3, 0.5))  # the generated data's, in the recipe's schedule
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
     code, out, rows = run(monkeypatch, capsys, tmp_path, "--device", "cpu", "--quick")
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
-    assert code == 1 and len(rows) == 7 and len(failed) == 1, out
+    assert code == 1 and len(rows) == 4 and len(failed) == 1, out
     assert failed[0].startswith("FAILED ddp gpus=1") and "loss curve differs from step 2" in failed[0]

@@ -50,13 +50,6 @@ def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
     torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
 
 
-def test_a_new_thread_does_not_inherit_the_autocast_dtype():
-    # The bug of issue 26 item 2 in torch itself: the reason the wrappers pass the dtype on.
-    with torch.autocast("cpu", dtype=torch.float16):
-        (out,) = threaded_parallel_apply([nn.Linear(4, 4)], [(torch.randn(2, 4),)])
-    assert out.dtype == torch.bfloat16  # the CPU's default autocast dtype, not the caller's fp16
-
-
 @pytest.mark.parametrize("functional", [False, True])
 def test_replicas_compute_in_the_callers_autocast_dtype(monkeypatch, functional):
     # On CUDA the caller's bf16 became the thread's default fp16, without a GradScaler. Here the CPU

@@ -86,7 +86,7 @@ def test_the_fast_recipe_evaluates_several_times_an_epoch_and_that_changes_no_we
     assert every and 234 // every >= 4  # Fashion-MNIST's epoch at batch 256: a curve per mode in TensorBoard
     for name, evaluations in (("epoch_ends", "eval_every_steps=0"), ("often", "eval_every_steps=3")):
         (tmp_path / name).mkdir()
-        launch(make_config("recipe=fast", "epochs=2", "batch_size=64", evaluations), tmp_path / name)
+        launch(make_config("recipe=fast", "epochs=1", "batch_size=64", evaluations), tmp_path / name)
     assert len(read_scalars(tmp_path / "often")["test/accuracy"]) > len(
         read_scalars(tmp_path / "epoch_ends")["test/accuracy"]
     )
