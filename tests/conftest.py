@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.tools import write_idx
 
 # Spawned ranks unpickle test functions by module name, and workers import test models by
 # _target_: keep tests/ importable as a plain folder, in this process and in subprocesses.

@@ -31,45 +31,22 @@ class UnpoolNet(nn.Module):
         return self.classifier(self.unpool(*self.pool(x)).flatten(1))
 
 
-def report(capsys, *overrides):
-    code = check.main(list(overrides))
-    lines = capsys.readouterr().out.splitlines()
-    return code, {line[6:].split("  ")[0].strip(): line for line in lines[1:-1]}, lines
-
-
 @pytest.mark.slow
-def test_an_unused_layer_fails_and_batchnorm_warns(capsys):
-    code, checks, lines = report(capsys, "model._target_=test_check.BrokenNet", "~model.dropout")
-    assert code == 1, "\n".join(lines)
+def test_an_unused_layer_fails_batchnorm_warns_and_the_ddps_agree(capsys):
+    code = check.main(["model._target_=test_check.BrokenNet", "~model.dropout"])
+    lines = capsys.readouterr().out.splitlines()
+    checks = {line[6:].split("  ")[0].strip(): line for line in lines[1:-1]}
+    assert code == 1 and lines[0].startswith("checking test_check.BrokenNet"), "\n".join(lines)
     assert (
         checks["unused parameters"].startswith("FAIL") and "unused.weight, unused.bias" in checks["unused parameters"]
     )
     assert checks["batchnorm"].startswith("WARN") and "(features.1)" in checks["batchnorm"]
-    assert "each rank's share of the batch" in checks["batchnorm"]
     assert checks["rank buffers"].startswith("WARN") and "features.1.running_mean" in checks["rank buffers"]
+    assert "checkpoints use rank 0's" in checks["rank buffers"]  # what the trainer evaluates and saves
     # The unused layer is let through for the comparison (find_unused_parameters): the numbers agree.
-    assert checks["ddp vs torch ddp"].startswith("OK") and "gradients agree within" in checks["ddp vs torch ddp"]
-    assert checks["modes"].startswith("OK")
-    assert checks["fsdp"].startswith("OK") and "gradients agree with torch DDP's" in checks["fsdp"]
-    assert lines[-1] == "1 FAIL, 2 WARN: fix the FAILs before training"
-
-
-@pytest.mark.slow
-def test_the_convnet_passes_every_check(capsys):
-    code, checks, lines = report(capsys)
-    assert code == 0, "\n".join(lines)
-    assert lines[0].startswith("checking mnist_dist.model.ConvNet (1,199,882 parameters)")
-    assert list(checks) == [
-        "modes",
-        "unused parameters",
-        "batchnorm",
-        "determinism",
-        "ddp vs torch ddp",
-        "fsdp",
-        "rank buffers",
-    ]
-    assert all(line.startswith("OK ") for line in checks.values()), "\n".join(lines)
-    assert lines[-1] == "0 FAIL, 0 WARN: ready to train"
+    for ok in ("modes", "determinism", "ddp vs torch ddp", "fsdp vs torch ddp", "fsdp state"):
+        assert checks[ok].startswith("OK"), checks[ok]
+    assert lines[-1].startswith("1 FAIL, 2 WARN")
 
 
 def test_an_op_without_a_deterministic_kernel_fails_unless_deterministic_is_off(make_config):
@@ -84,26 +61,10 @@ def test_an_op_without_a_deterministic_kernel_fails_unless_deterministic_is_off(
 @pytest.mark.filterwarnings("ignore:max_unpooling2d_forward_out does not have a deterministic")
 def test_modes_that_need_a_named_submodule_warn(make_config):
     (status, _, why), unused = check.check_modes(make_config("model._target_=test_check.UnpoolNet", "~model.dropout"))
-    assert status == "WARN" and unused == []
-    assert why.startswith("other modes took a step; not usable as configured: dp_block (") and "'features'" in why
+    assert status == "WARN" and unused == [] and "dp_block (" in why and "'features'" in why
 
 
-def test_a_model_that_cannot_be_built_is_one_line():
-    with pytest.raises(SystemExit) as exit:
+def test_a_model_that_cannot_be_built_is_one_line_and_help_is_the_usage(capsys):
+    with pytest.raises(SystemExit, match="^error: .*NoSuchNet cannot be imported"):
         check.main(["model._target_=test_check.NoSuchNet"])
-    assert str(exit.value).startswith("error: ") and "NoSuchNet cannot be imported" in str(exit.value)
-
-
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_prints_the_usage(capsys, flag):
-    assert check.main([flag]) == 0
-    assert capsys.readouterr().out.startswith("Pre-flight check")
-
-
-def test_the_batchnorm_warning_says_what_evaluation_and_checkpoints_use():
-    # It said "evaluation runs on each rank's own": the trainer gives every rank rank 0's buffers before it
-    # evaluates (step.evaluate_as_saved), so the reported accuracy is the checkpoint's.
-    status, name, why = check._buffers({"differing": ["features.1.running_mean"], "buffers": 3})
-    assert (status, name) == ("WARN", "rank buffers")
-    assert "each rank's own" not in why
-    assert "evaluation and checkpoints use rank 0's" in why
+    assert check.main(["--help"]) == 0 and capsys.readouterr().out.startswith("Pre-flight check")

@@ -5,6 +5,7 @@ import importlib
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import checkpoint
 from mnist_dist.parallel import dp as our_dp
-from mnist_dist.topology import Topology, from_env, setup_process
+from mnist_dist.topology import Topology, deterministic_kernels, from_env, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
 # The module, not the function torch.nn.parallel exports under the same name.
@@ -50,13 +51,6 @@ def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
     torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
 
 
-def test_a_new_thread_does_not_inherit_the_autocast_dtype():
-    # The bug of issue 26 item 2 in torch itself: the reason the wrappers pass the dtype on.
-    with torch.autocast("cpu", dtype=torch.float16):
-        (out,) = threaded_parallel_apply([nn.Linear(4, 4)], [(torch.randn(2, 4),)])
-    assert out.dtype == torch.bfloat16  # the CPU's default autocast dtype, not the caller's fp16
-
-
 @pytest.mark.parametrize("functional", [False, True])
 def test_replicas_compute_in_the_callers_autocast_dtype(monkeypatch, functional):
     # On CUDA the caller's bf16 became the thread's default fp16, without a GradScaler. Here the CPU
@@ -85,25 +79,16 @@ def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, mon
     # replica would run cuda:0's weights.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     extra = ["mode.dp_block=features"] if name == "dp_block" else []
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match=f"compile=true with mode={name} on 2 GPUs: .*cuda:0's compiled model"):
         validate_here(make_config(f"mode={name}", *extra, "gpus=2", "device=cuda", "compile=true"))
-    assert str(error.value) == (
-        f"compile=true with mode={name} on 2 GPUs: DataParallel's replicas would all run cuda:0's compiled "
-        "model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
-    )
     for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
         validate_here(make_config(f"mode={name}", *extra, *allowed, "compile=true"))
 
 
 def test_compile_with_our_overlapping_ddp_is_refused_in_one_line(make_config):
     # A compiled backward is one autograd node: every gradient, so every bucket, is ready at its end.
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match="compile=true with mode=ddp: .*nothing overlaps.*mode.overlap=false"):
         validate_here(make_config("mode=ddp", "gpus=2", "compile=true"))
-    assert str(error.value) == (
-        "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for its "
-        "end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket boundaries), "
-        "mode.overlap=false, or compile=false"
-    )
     validate_here(make_config("mode=ddp", "gpus=2", "compile=true", "mode.overlap=false"))
     validate_here(make_config("mode=torch_ddp", "gpus=2", "compile=true"))
 
@@ -276,18 +261,14 @@ def test_srun_tasks_that_share_one_gpu_are_refused_in_one_line(make_config, monk
     # "Duplicate GPU detected". How many GPUs a task sees does not say whether they are its own.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match="4 srun tasks on this node share the one GPU.*--gpus-per-task=1"):
         from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
-    assert str(error.value) == (
-        "4 srun tasks on this node share the one GPU each sees (CUDA_VISIBLE_DEVICES=0, no SLURM_GPUS_PER_TASK): "
-        "NCCL takes one rank per GPU; ask srun for --gpus-per-task=1, start one task per GPU, or pass device=cpu"
-    )
     assert from_env(make_config("mode=ddp", "gpus=4", "device=cpu")).device == torch.device("cpu")
 
 
 def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible; use device=cpu"):
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
         from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
     assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
 
@@ -303,25 +284,24 @@ def test_torchrun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypat
 
 def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
     # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first use in a process: importing the package is
-    # the first thing any of its processes does. A process that used CUDA before importing it is warned.
+    # the first thing any of its processes does. This one imported it first, so it is not warned; a process
+    # that used CUDA before importing it is.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        deterministic_kernels(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not caught
     code = (
-        "import os, sys, warnings; import torch; late = sys.argv[1] == 'late'\n"
-        "if late: torch.cuda.is_initialized = lambda: True\n"
+        "import os, warnings; import torch; torch.cuda.is_initialized = lambda: True\n"
         "import mnist_dist; from mnist_dist.topology import deterministic_kernels\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always'); deterministic_kernels(True)\n"
         "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), [str(w.message) for w in caught])"
     )
     env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
-    for case in ("early", "late"):
-        run = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        setting, caught = run.stdout.split(" ", 1)
-        assert setting == ":4096:8"
-        if case == "early":
-            assert caught.strip() == "[]"
-        else:
-            assert "CUDA was in use before mnist_dist was imported" in caught
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    setting, said = run.stdout.split(" ", 1)
+    assert setting == ":4096:8" and "CUDA was in use before mnist_dist was imported" in said
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [None, 25.0])

@@ -230,7 +230,6 @@ def test_compare_command_writes_table_json_and_chart(tiny_root, tmp_path):
     report = json.loads((out / "compare.json").read_text())
     assert [row["mode"] for row in report["rows"]] == ["single", "dp", "ddp"]
     assert report["agree"] and max(row["max_loss_diff"] for row in report["rows"]) < 1e-5
-    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "compare.md").read_text()
     assert table in result.stdout and "modes agree" in table
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ddp", "dp", "single"]

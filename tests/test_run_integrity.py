@@ -21,7 +21,7 @@ from mnist_dist.operations import checkpoint
 from mnist_dist.operations.errors import log_thread_errors
 from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.operations.tensorboard import Scalars
-from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.tools import write_idx
 
 TINY = ("data.mirrors=[]", "progress=false", "batch_size=32")
 

@@ -15,7 +15,7 @@ from torch import nn
 import mnist_dist
 from mnist_dist.launch import launch
 from mnist_dist.modes import MODES, Mode, Processes, register
-from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.tools import write_idx
 
 PACKAGE = Path(mnist_dist.__file__).parent
 

@@ -45,10 +45,16 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
     assert reached["steps"] == first  # no step after the target
     assert 0 < reached["time_to_target_s"] <= reached["train_time_s"]
     assert reached["eval_time_s"] > 0
-    # The same accuracies against training time only: evaluation does not move this axis.
-    timed = list(tb["test/accuracy_by_train_ms"].items())
-    assert [accuracy for _, accuracy in timed] == [accuracy for _, accuracy in evaluated]
-    assert all(a[0] < b[0] for a, b in zip(timed, timed[1:]))
+    # The same accuracies against training time only (evaluation does not move this axis): the bench reads a
+    # lower target's time from it, on the way to the one the run stopped at.
+    curve = bench.accuracy_curve(tmp_path / "reached")
+    assert list(curve.values()) == [accuracy for _, accuracy in evaluated] and sorted(curve) == list(curve)
+    assert bench.seconds_to(curve, 0.3) == pytest.approx(reached["time_to_target_s"], abs=1e-3)
+    lower = bench.seconds_to(curve, 0.15)
+    assert lower <= bench.seconds_to(curve, 0.3) and all(
+        accuracy < 0.15 for at, accuracy in curve.items() if at < lower
+    )
+    assert bench.seconds_to(curve, 1.01) is None
 
     # Evaluations in mid-epoch hand the model back in training mode (TrainModeMLP checks every step).
     trains = "model._target_=test_time_to_accuracy.TrainModeMLP"
@@ -62,11 +68,8 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
 
 
 def test_bad_target_settings_are_one_line(make_config):
-    for override, message in [
-        ("target_accuracy=1.5", "target_accuracy=1.5 must be a fraction in [0, 1], e.g. 0.91"),
-        ("eval_every_steps=-1", "eval_every_steps=-1 must be 0 (epoch ends only) or more"),
-    ]:
-        with pytest.raises(ConfigError, match=re.escape(message)):
+    for override in ("target_accuracy=1.5", "eval_every_steps=-1"):
+        with pytest.raises(ConfigError, match=re.escape(override)):
             validate_here(make_config(override))
 
 
@@ -83,7 +86,7 @@ def test_the_fast_recipe_evaluates_several_times_an_epoch_and_that_changes_no_we
     assert every and 234 // every >= 4  # Fashion-MNIST's epoch at batch 256: a curve per mode in TensorBoard
     for name, evaluations in (("epoch_ends", "eval_every_steps=0"), ("often", "eval_every_steps=3")):
         (tmp_path / name).mkdir()
-        launch(make_config("recipe=fast", "epochs=2", "batch_size=64", evaluations), tmp_path / name)
+        launch(make_config("recipe=fast", "epochs=1", "batch_size=64", evaluations), tmp_path / name)
     assert len(read_scalars(tmp_path / "often")["test/accuracy"]) > len(
         read_scalars(tmp_path / "epoch_ends")["test/accuracy"]
     )
@@ -99,18 +102,6 @@ def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     assert len(lr) == 20
     peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
-
-
-def test_time_to_each_target_is_read_from_the_training_time_curve(make_config, tmp_path):
-    # The run stops at the highest target; a lower one's time is its first evaluation on the same curve.
-    results = results_of(make_config, tmp_path / "run", "target_accuracy=0.5", "eval_every_steps=2")
-    curve = bench.accuracy_curve(tmp_path / "run")
-    assert list(curve.values()) == list(read_scalars(tmp_path / "run")["test/accuracy"].values())
-    assert bench.seconds_to(curve, 0.5) == pytest.approx(results["time_to_target_s"], abs=1e-3)
-    lower = bench.seconds_to(curve, 0.2)
-    assert lower <= bench.seconds_to(curve, 0.5) and curve[lower] >= 0.2
-    assert all(accuracy < 0.2 for at, accuracy in curve.items() if at < lower)
-    assert bench.seconds_to(curve, 1.01) is None
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from helpers import compose_config, scalars
 
 from mnist_dist.launch import _resume, launch
 from mnist_dist.operations import checkpoint, compatibility
-from mnist_dist.tools.synthetic import write_idx
+from mnist_dist.tools import write_idx
 
 # 48 images per step divide among 1, 2, 3 and 4 ranks; SGD and no dropout: nothing depends on the ranks.
 JOB = ("epochs=2", "batch_size=48", "optim=sgd", "model.dropout=false", "log_every=1")

@@ -1,18 +1,14 @@
-"""What people run beside the trainer (``python -m mnist_dist.tools.<name>``): ``compare`` (do my modes agree,
-which is fastest), ``bench`` (throughput per mode, time to accuracy), ``check`` (will my model train in every
-mode), ``gpu_check`` (every CUDA path, on a GPU machine), ``offline_bundle`` (what such a machine without
-network needs). Below: how they start training processes, and say when their speeds mean nothing."""
+"""What people run beside the trainer, ``python -m mnist_dist.tools.<name>``: compare, bench, check, gpu_check,
+offline_bundle (each says what it does). Below: what they share."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from mnist_dist.operations import files
@@ -35,6 +31,15 @@ def bounded(command: list[str], timeout: float | None = None) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def composed(*overrides: str):
+    """The Config ``python -m mnist_dist <overrides>`` runs with (Hydra imported here: gpu_check starts without)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module("mnist_dist.conf", version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
 def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | None = None) -> dict:
     """``python -m mnist_dist <overrides>`` in a fresh process writing to ``run_dir``, killed with its ranks
     after ``timeout`` seconds; its results.json. A failed run raises RuntimeError with its exit status and last
@@ -47,39 +52,27 @@ def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | No
     return json.loads((run_dir / "results.json").read_text())
 
 
-def fractions(text: str) -> list[float]:
-    """``0.91,0.92`` -> [0.91, 0.92], sorted; argparse says a bad one in one line."""
-    with contextlib.suppress(ValueError):
-        values = sorted(float(value) for value in text.split(","))
-        if all(0 < value <= 1 for value in values):
-            return values
-    raise argparse.ArgumentTypeError(f"{text}: test accuracies as fractions in (0, 1], e.g. 0.91,0.92")
-
-
 def load_warning(load_average: float, cores: int | None = None) -> str | None:
     """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
     cores = cores or os.cpu_count() or 1
-    if load_average <= cores:
-        return None
-    return (
-        f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
-        "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
-    )
+    busy = f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' threads count too): "
+    return busy + "images/s is unreliable (loss and accuracy are not affected)" if load_average > cores else None
 
 
-def save_chart(path: Path, draw: Callable) -> str:
-    """``draw(pyplot)``'s figure saved to ``path`` as PNG; the file's name, or why there is none: matplotlib is
-    an extra (``pip install -e '.[plot]'``) that only the charts need."""
-    try:
-        import matplotlib
-    except ImportError:
-        return f"no {path.name} (charts need matplotlib: pip install -e '.[plot]')"
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
+    """The four IDX files of small, learnable MNIST-format data in ``raw`` (class k: a bright square at spot k
+    on noise), for what must train without downloading; returns ``raw``."""
+    import torch  # here: the tools start (and offline_bundle runs) without it
 
-    figure = draw(plt)
-    figure.tight_layout()
-    with files.atomic(path) as out:
-        figure.savefig(out.file, format="png", dpi=110)
-    plt.close(figure)
-    return path.name
+    raw.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = (torch.arange(n) % 10)[torch.randperm(n, generator=generator)]
+        images = torch.randint(0, 96, (n, 28, 28), generator=generator, dtype=torch.uint8)
+        for i, label in enumerate(labels.tolist()):
+            row, col = divmod(label, 4)
+            images[i, 2 + 8 * row : 8 + 8 * row, 2 + 7 * col : 7 + 7 * col] = 255
+        image_bytes, label_bytes = images.numpy().tobytes(), labels.to(torch.uint8).numpy().tobytes()
+        files.write(raw / f"{prefix}-images-idx3-ubyte", struct.pack(">IIII", 0x803, n, 28, 28) + image_bytes)
+        files.write(raw / f"{prefix}-labels-idx1-ubyte", struct.pack(">II", 0x801, n) + label_bytes)
+    return raw

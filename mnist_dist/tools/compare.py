@@ -2,18 +2,14 @@
 
     python -m mnist_dist.tools.compare modes=[single,dp,ddp,torch_ddp] gpus=2 data=fashion_mnist epochs=1
 
-``tolerance=`` (default 0.05) and ``early_tolerance=`` (1e-4) set the verdict's bounds, ``repeats=`` the rounds
-(3: every mode runs once per round, rounds interleaved like bench's, so a machine that slows down
-slows every mode alike; images/s is the median over rounds, with its spread); any other argument is
-a Hydra override applied to every mode. Dropout is turned off when the model
-has that option: replicas in different processes draw different masks, which would hide the
-question under noise. Writes compare.md, compare.json and compare.png to
-outputs/compare/<date>/<time>/, beside the run directories (``<mode>`` for round 1, ``<mode>_<round>``
-after it), and exits 1 if the modes disagree. Loss and accuracy come from round 1: runs are
-deterministic, so the other rounds only time the same computation again. A warning line says when
-the throughput column is not to be trusted: a spread over 10 % or a load average above the cores.
-Before the first run it says how many runs there are, and once the first is done the time the rest take
-at its pace. A run that Ctrl-C or an error stops is removed: only complete runs stay. ``-h``: this text.
+``tolerance=`` (default 0.05) and ``early_tolerance=`` (1e-4) bound the verdict, ``repeats=`` (3) the rounds:
+every mode runs once per round, rounds interleaved, so a machine that slows down slows every mode alike;
+images/s is the median over rounds, with its spread. Any other argument is a Hydra override for every mode.
+Dropout is turned off where the model has it (replicas in different processes draw different masks). Writes
+compare.md and .json to outputs/compare/<date>/<time>/, beside the runs (``<mode>``, ``<mode>_<round>``
+after round 1), and exits 1 if the modes disagree. Loss and accuracy come from round 1 (runs are
+deterministic). A warning line says when the throughput column is not to be trusted: a spread over 10 % or a
+load average above the cores. A run that Ctrl-C or an error stops is removed: only complete runs stay.
 """
 
 from __future__ import annotations
@@ -29,13 +25,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 from mnist_dist.operations.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the imports below (torch, Hydra: seconds): Ctrl-C meanwhile is one line too
+    exit_on_interrupt()  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
 
 import yaml
 from hydra import compose, initialize_config_module
@@ -50,21 +45,13 @@ from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.tools import load_warning, save_chart
+from mnist_dist.tools import load_warning
 from mnist_dist.topology import resolve
 
-OPTIONS = {
-    "modes": ["single", "dp", "ddp", "torch_ddp"],
-    # Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means), so
-    # fp32 rounding differs from the first step, and training amplifies it over a run. So the first logged
-    # step must agree closely and the rest loosely.
-    "tolerance": 0.05,
-    "early_tolerance": 1e-4,
-    "repeats": 3,
-}
-# Above this spread ((max - min) / median of a mode's images/s over the rounds) the ranking of modes
-# within it is noise: runs on an idle 2-core machine vary by about this much.
-SPREAD_WARNING = 0.10
+# Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means), so fp32
+# rounding differs from the first step, and training amplifies it: the first logged step must agree closely.
+OPTIONS = {"modes": ["single", "dp", "ddp", "torch_ddp"], "tolerance": 0.05, "early_tolerance": 1e-4, "repeats": 3}
+SPREAD_WARNING = 0.10  # (max - min) / median of a mode's images/s over the rounds: above it, ranking is noise
 
 
 def loss_curve(run_dir: Path) -> dict[int, float]:
@@ -78,68 +65,41 @@ def loss_curve(run_dir: Path) -> dict[int, float]:
     return curve
 
 
-def compare(
-    results: dict[str, dict],
-    curves: dict[str, dict[int, float]],
-    tolerance: float,
-    early_tolerance: float,
-    speeds: dict[str, list[float]] | None = None,
-) -> dict:
-    """The table's rows and the verdict; the first mode is the reference. ``speeds``: each mode's
-    images/s in every round (default: the one in its results)."""
+def compare(results: dict, curves: dict, tolerance: float, early_tolerance: float, speeds: dict | None = None) -> dict:
+    """The table's rows and the verdict; the first mode is the reference. ``speeds``: each mode's images/s in
+    every round (default: the one in its results)."""
     speeds = speeds or {mode: [result["train_images_per_s"]] for mode, result in results.items()}
     reference = next(iter(curves.values()))
     first_step = min(reference)
     rows = []
     for mode, result in results.items():
-        shared = sorted(set(curves[mode]) & set(reference))
-        rows.append(
-            {
-                "mode": mode,
-                "world_size": result["world_size"],
-                "test_accuracy": result["test_accuracy"],
-                "final_loss": curves[mode][max(curves[mode])],
-                "first_step_loss_diff": abs(curves[mode][first_step] - reference[first_step]),
-                "max_loss_diff": max(abs(curves[mode][s] - reference[s]) for s in shared),
-                "images_per_s": statistics.median(speeds[mode]),
-                "images_per_s_min": min(speeds[mode]),
-                "images_per_s_max": max(speeds[mode]),
-                "images_per_s_rounds": speeds[mode],
-                "spread": (max(speeds[mode]) - min(speeds[mode])) / statistics.median(speeds[mode]),
-                # parameters, gradients and optimizer state on the fullest rank: what sharding buys
-                "model_state_mib": max(result.get("model_state_mib") or [float("nan")]),
-            }
-        )
+        curve, speed, median = curves[mode], speeds[mode], statistics.median(speeds[mode])
+        rows.append({
+            "mode": mode, "world_size": result["world_size"], "test_accuracy": result["test_accuracy"],
+            "final_loss": curve[max(curve)],
+            "first_step_loss_diff": abs(curve[first_step] - reference[first_step]),
+            "max_loss_diff": max(abs(curve[s] - reference[s]) for s in set(curve) & set(reference)),
+            "images_per_s": median, "images_per_s_rounds": speed, "spread": (max(speed) - min(speed)) / median,
+            # parameters, gradients and optimizer state on the fullest rank: what sharding buys
+            "model_state_mib": max(result.get("model_state_mib") or [float("nan")]),
+        })  # fmt: skip
     early = max(rows, key=lambda row: row["first_step_loss_diff"])
     late = max(rows, key=lambda row: row["max_loss_diff"])
     agree = early["first_step_loss_diff"] <= early_tolerance and late["max_loss_diff"] <= tolerance
     verdict = (
-        f"{'modes agree' if agree else 'MODES DISAGREE'} with {rows[0]['mode']}: training loss "
-        f"within {early['first_step_loss_diff']:.1e} at step {first_step} (tolerance "
-        f"{early_tolerance:g}, {early['mode']}) and within {late['max_loss_diff']:.1e} over the "
-        f"run (tolerance {tolerance:g}, {late['mode']})"
+        f"{'modes agree' if agree else 'MODES DISAGREE'} with {rows[0]['mode']}: training loss within "
+        f"{early['first_step_loss_diff']:.1e} at step {first_step} (tolerance {early_tolerance:g}, {early['mode']}) "
+        f"and within {late['max_loss_diff']:.1e} over the run (tolerance {tolerance:g}, {late['mode']})"
     )
-    return {
-        "rows": rows,
-        "agree": agree,
-        "verdict": verdict,
-        "first_step": first_step,
-        "tolerance": tolerance,
-        "early_tolerance": early_tolerance,
-    }
+    return {"rows": rows, "agree": agree, "verdict": verdict, "first_step": first_step}
 
 
 def warnings(report: dict, load_average: float, cores: int) -> list[str]:
     """Lines that say when the throughput column cannot be trusted (empty when it can)."""
-    lines = []
-    noisy = [row for row in report["rows"] if row["spread"] > SPREAD_WARNING]
-    if noisy:
-        worst = ", ".join(f"{row['mode']} {row['spread']:.0%}" for row in noisy)
-        lines.append(
-            f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({worst}): "
-            "the ranking by speed may be noise; rerun on an idle machine or with more repeats="
-        )
-    return lines + [line for line in [load_warning(load_average, cores)] if line]
+    noisy = ", ".join(f"{row['mode']} {row['spread']:.0%}" for row in report["rows"] if row["spread"] > SPREAD_WARNING)
+    spread = f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({noisy}): the ranking by "
+    spread += "speed may be noise; rerun on an idle machine or with more repeats="
+    return [line for line in [noisy and spread, load_warning(load_average, cores)] if line]
 
 
 def markdown(report: dict) -> str:
@@ -153,37 +113,15 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
+        speed = row["images_per_s_rounds"]
         lines.append(
             f"| {row['mode']} | {row['world_size']} | {100 * row['test_accuracy']:.2f} % | "
             f"{row['final_loss']:.4f} | {row['first_step_loss_diff']:.1e} | {row['max_loss_diff']:.1e} | "
-            f"{row['images_per_s']:,.0f} | {row['images_per_s_min']:,.0f} – {row['images_per_s_max']:,.0f} | "
+            f"{row['images_per_s']:,.0f} | {min(speed):,.0f} – {max(speed):,.0f} | "
             f"{row['spread']:.0%} | {row['model_state_mib']:.1f} |"
         )
     text = "\n".join(lines) + f"\n\nΔloss: training-loss difference from {reference}. {report['verdict']}\n"
     return text + "".join(f"\n{line}\n" for line in report["warnings"])
-
-
-def chart(report: dict, curves: dict[str, dict[int, float]]):
-    def draw(plt):
-        figure, (losses, speed) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-        for (mode, curve), style in zip(curves.items(), ["-", "--", ":", "-."] * 3):
-            # Agreeing modes lie on top of each other: a line style each keeps every one visible.
-            losses.plot(list(curve), list(curve.values()), style, label=mode, linewidth=1.2)
-        losses.set(xlabel="optimizer step (same global batch in every mode)", ylabel="training loss", yscale="log")
-        losses.legend()
-        rows = report["rows"]
-        medians = [row["images_per_s"] for row in rows]
-        spread = [
-            [m - row["images_per_s_min"] for m, row in zip(medians, rows)],
-            [row["images_per_s_max"] - m for m, row in zip(medians, rows)],
-        ]
-        speed.bar([row["mode"] for row in rows], medians, yerr=spread, capsize=4, color="tab:blue")
-        speed.set(
-            ylabel="images/s (global)", title=f"median and min–max of {len(rows[0]['images_per_s_rounds'])} rounds"
-        )
-        return figure
-
-    return draw
 
 
 def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]) -> int:
@@ -194,7 +132,6 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings only
     logging.getLogger("mnist_dist").setLevel(logging.INFO)
     out = Path("outputs", "compare", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
-    overrides: list[str] = []
     try:
         options, overrides = parse(argv)
         configs = compose_configs(options["modes"], overrides)  # all checked before the first run starts
@@ -202,7 +139,7 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
         try:
             results, curves, speeds, peak_load = run_rounds(configs, options["repeats"], out, load)
         except BaseException:
-            for directory in (out, out.parent):  # when empty: no complete run in it
+            for directory in (out, *out.parents):  # each one left empty: no complete run in it
                 with contextlib.suppress(OSError):
                     directory.rmdir()
             raise
@@ -216,14 +153,13 @@ def main(argv: list[str], load: Callable[[], float] = lambda: os.getloadavg()[0]
     except KeyboardInterrupt:
         interrupted(f"interrupted; no report written{f' (the complete runs: {out})' if out.is_dir() else ''}")
     report = compare(results, curves, options["tolerance"], options["early_tolerance"], speeds)
-    report["machine"] = machine.describe()
-    report["load_average_max"] = peak_load
+    report |= {"machine": machine.describe(), "load_average_max": peak_load}
     report["warnings"] = warnings(report, peak_load, report["machine"]["cores"])
     table = markdown(report)
     print("\n" + table)
     files.write_text(out / "compare.md", table)
     files.write_text(out / "compare.json", json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}: compare.md, compare.json, {save_chart(out / 'compare.png', chart(report, curves))}")
+    print(f"wrote {out}: compare.md, compare.json")
     return 0 if report["agree"] else 1
 
 
@@ -250,8 +186,13 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = None
-        if key == "modes":
-            options[key] = modes_option(text, value)
+        if key == "modes":  # modes=[single,ddp] or modes=single,ddp (a comma list, as Hydra's -m takes it)
+            value = [mode.strip() for mode in value.split(",")] if isinstance(value, str) else value
+            if not isinstance(value, list) or not value or not all(m in MODES for m in map(str, value)):
+                raise ConfigError(
+                    f"modes={text} is no list of modes; e.g. modes=[single,ddp], from: {', '.join(MODES)}"
+                )
+            options[key] = value
         elif key == "repeats":
             if type(value) is not int or value < 1:
                 raise ConfigError(f"repeats={text} must be a whole number of rounds, at least 1")
@@ -261,20 +202,6 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             options[key] = float(value)
     return options, overrides
-
-
-def modes_option(text: str, value) -> list[str]:
-    choose = f"e.g. modes=[single,ddp], from: {', '.join(MODES)}"
-    if isinstance(value, str):  # modes=single,ddp: a comma list, as Hydra's -m takes it
-        value = [mode.strip() for mode in value.split(",")]
-    if value is None or isinstance(value, dict):
-        raise ConfigError(f"modes={text} is not a list of modes; {choose}")
-    if value == []:
-        raise ConfigError(f"modes={text} names no mode; {choose}")
-    for mode in value if isinstance(value, list) else [value]:
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ConfigError(f"modes={text}: {mode} is not a mode; {choose}")
-    return value if isinstance(value, list) else [value]
 
 
 def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[Config, list[str]]]:
@@ -289,20 +216,18 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
             if "dropout" in cfg.model:
                 cfg.model.dropout = False
                 said.append("model.dropout=false")
-            if "sync_batchnorm" in cfg.mode and has_batchnorm(cfg.model) and not cfg.mode.sync_batchnorm:
+            batchnorm = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+            if (
+                "sync_batchnorm" in cfg.mode
+                and not cfg.mode.sync_batchnorm
+                and any(isinstance(module, batchnorm) for module in instantiate_model(cfg.model).modules())
+            ):
                 cfg.mode.sync_batchnorm = True
                 said.append("mode.sync_batchnorm=true")
-                print(
-                    f"compare: mode={mode} with mode.sync_batchnorm=true, so that its BatchNorm sees the global batch"
-                )
+                print(f"compare: mode={mode} with mode.sync_batchnorm=true: its BatchNorm sees the global batch")
             configs[mode] = OmegaConf.to_object(cfg), said
             validate(configs[mode][0], resolve(configs[mode][0]))  # every mode checked before the first runs
     return configs
-
-
-def has_batchnorm(model_cfg) -> bool:
-    batchnorms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    return any(isinstance(module, batchnorms) for module in instantiate_model(model_cfg).modules())
 
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
@@ -310,8 +235,6 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
     round's images/s per mode, and the highest load average seen before a run. A run that does not finish
     (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
-    runs = len(configs) * repeats
-    print(f"compare: {len(configs)} modes x {repeats} rounds = {runs} runs; their time is said after the first")
     for round_ in range(1, repeats + 1):
         for mode, (cfg, said) in configs.items():
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
@@ -327,9 +250,6 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
             speeds[mode].append(result["train_images_per_s"])
             if round_ == 1:
                 results[mode], curves[mode] = result, loss_curve(run_dir)
-            if len(results) == 1 and round_ == 1 and runs > 1:
-                took, left = timedelta(seconds=round(result["wall_time_s"])), runs - 1
-                print(f"compare: {mode} took {took}; the {left} runs left take about {took * left} at its pace")
     return results, curves, speeds, max(peak_load, load())
 
 

@@ -2,18 +2,14 @@
 
     python -m mnist_dist.tools.offline_bundle [DIR]     # where pip works; DIR defaults to offline/
 
-Fills DIR/wheels with wheels for CPython 3.12 on x86_64 Linux (``--python-version``, ``--platform``):
-hydra-core, omegaconf and what they need (PyYAML, packaging), antlr4-python3-runtime 4.9.3 (an sdist only
-on the index, built here into its pure-Python wheel), and setuptools for the editable install's isolated
-build; and DIR/fashion-mnist with the four Fashion-MNIST files. docs/gpus.md ("An offline GPU machine") gives
-the command that installs from DIR with ``pip install --no-index`` and runs the GPU check. Needs no package
-beyond the standard library (not even torch), so any Python 3.11+ with pip runs it.
+Fills DIR/wheels with wheels for CPython 3.12 on x86_64 Linux (``--python-version``, ``--platform``) of what
+the package needs beyond torch, and setuptools for the editable install; DIR/fashion-mnist with Fashion-MNIST.
+docs/gpus.md gives the command that installs from DIR and runs the GPU check. Needs only the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +46,7 @@ def main() -> int:
     target = ["--python-version", args.python_version, "--platform", args.platform, "--only-binary=:all:"]
     pip("download", "-q", "-d", str(wheels), "--find-links", str(wheels), *target, ANTLR, *WANTED)
     for name in FASHION_FILES:
-        with open(args.fashion / name, "rb") as source, files.atomic(fashion / name) as pending:
-            shutil.copyfileobj(source, pending.file)  # a copy cut short leaves no file that looks whole
+        files.write(fashion / name, (args.fashion / name).read_bytes())  # atomic: no file cut short looks whole
     for path in sorted(wheels.iterdir()) + [fashion / name for name in FASHION_FILES]:
         print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB")
     return 0
