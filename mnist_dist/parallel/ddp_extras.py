@@ -53,7 +53,7 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
         self.bucket_type = CompressedBucket if compress_bf16 else ddp.Bucket
         # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
         self._peer_wait = timedelta(seconds=peer_wait_s if dist.get_backend(self.process_group) == "gloo" else 0)
-        self._divide_by_initial_world_size = True
+        self._divide_by_initial_world_size, self._joining = True, False
 
     @property
     def bucket_plan(self) -> list[list[str]]:
@@ -76,7 +76,8 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
             warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
 
     def forward(self, *args, **kwargs):
-        ranks_in = Join.notify_join_context(self)  # None outside join()
+        ranks_in = Join.notify_join_context(self)  # None outside an enabled join()
+        self._joining = ranks_in is not None
         output = super().forward(*args, **kwargs)
         if ranks_in is not None and not self._divide_by_initial_world_size:
             ranks_in.wait()
@@ -90,7 +91,7 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
 
     def _before_module(self, sync: bool) -> None:
         self._scale = 1.0 / self.world_size
-        if not self._join_config.enable:
+        if not self._joining:
             return super()._before_module(sync)
         self._sync_buffers(candidate=True)
         self._all_reduce(float(sync))  # tells the joined ranks whether to shadow this backward
