@@ -57,10 +57,7 @@ class Bucket:
                 view.mul_(scale)
             else:  # the copy and the scaling in one pass, as torch's reducer (mul_out)
                 torch.mul(grad, scale, out=view)
-        self.work = self.start(group)
-
-    def start(self, group: dist.ProcessGroup) -> dist.Work:
-        return dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
         for i, view in zip(self.indices, self.views):
@@ -125,7 +122,7 @@ class DistributedDataParallel(nn.Module):
         # no_sync()'s switch; as torch DDP, forward decides if its backward syncs and the next forward syncs buffers
         self._sync_enabled = self._sync_this_backward = self._sync_buffers_next_forward = True
         self._scale, self._rebuilt, self._device = 1.0 / self.world_size, find_unused_parameters, self._params[0].device
-        self._buckets, self._bucket_of, self._hooked, self.bucket_type = [], {}, set(), Bucket
+        self._buckets, self._bucket_of, self._hooked = [], {}, set()
         # This backward: arrivals in order, next bucket, awaited, nested ones running; used since the last sync
         self._arrived, self._next_bucket, self._expected, self._nested, self._used = {}, 0, set(), [], set()
         if init_sync:  # as torch's: parameters whose shapes differ across ranks would average the wrong elements
@@ -190,7 +187,7 @@ class DistributedDataParallel(nn.Module):
         self._rebuilt = True
 
     def _plan(self, groups: list[list[int]]) -> None:
-        self._buckets = [self.bucket_type(g, self._params) for g in groups]
+        self._buckets = [Bucket(g, self._params) for g in groups]
         self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
 
     def _expect(self, node) -> None:
