@@ -10,7 +10,7 @@ from mnist_dist.parallel.ddp import broadcast_from
 def test_buffers_travel_in_one_broadcast_per_dtype(one_rank, monkeypatch):
     calls = []
     real = dist.broadcast
-    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: calls.append(tensor.dtype) or real(tensor, src))
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, **kw: calls.append(tensor.dtype) or real(tensor, **kw))
     buffers = list(FastNet().buffers())  # 3 BatchNorms: running mean and var (float32), batches seen (int64)
     for i, buffer in enumerate(buffers):
         buffer.fill_(i)
