@@ -40,6 +40,7 @@ def ranks(tmp_path_factory):
             "views": (gradients_as_bucket_views,),
             "shared overlap": (shared_across_checkpoint, True),
             "shared no-overlap": (shared_across_checkpoint, False),
+            "all checkpointed": (all_checkpointed,),
         },
         2,
         tmp_path_factory.mktemp("ddp"),
@@ -347,3 +348,24 @@ def test_gradients_become_views_of_their_buckets_and_stay_averaged(ranks):
     (_, grads0), (_, grads1) = results
     for mine, other in zip(grads0, grads1):
         torch.testing.assert_close(mine, other)  # the average, the same on both ranks
+
+
+class AllCheckpointed(nn.Linear):
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+def all_checkpointed(rank, world_size):
+    ddp = DistributedDataParallel(AllCheckpointed(8, 8))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    try:
+        for _ in range(2):  # the graph outside the checkpoint reaches no parameter
+            ddp(x).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "averaged nothing, silently"
+
+
+def test_a_backward_that_reaches_parameters_only_through_a_nested_one_is_refused_at_the_next_forward(ranks):
+    for message in ranks("all checkpointed"):
+        assert re.search(r"never averaged.*use_reentrant=False", message)

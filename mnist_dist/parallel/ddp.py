@@ -143,6 +143,9 @@ class DistributedDataParallel(nn.Module):
         self.process_group, self._buckets, self._bucket_of, self._hooked = dist.group.WORLD, [], {}, set()
 
     def forward(self, *args, **kwargs):
+        if self._arrived:  # its parameters were reached only inside a nested backward: no end was seen
+            raise RuntimeError("the last backward's gradients were never averaged: its graph reaches parameters only "
+                               "through a re-entrant checkpoint; checkpoint with use_reentrant=False")  # fmt: skip
         self._ensure_plan()
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self._sync_enabled
