@@ -16,10 +16,7 @@ from mnist_dist.operations.errors import ConfigError
 
 class ConvNet(nn.Module):
     """conv 1→32, conv 32→64, maxpool, dropout .25, fc 9216→128, dropout .5, fc 128→10; returns logits.
-
-    ``dropout=False`` removes both dropout layers' effect, so that replicas that draw their own masks
-    (DataParallel, one process per rank) compute exactly what a single process would.
-    """
+    ``dropout=False``: replicas that draw their own masks compute exactly what a single process would."""
 
     def __init__(self, dropout: bool = True) -> None:
         super().__init__()
@@ -68,11 +65,8 @@ class ResidualBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """A small ResNet for 28×28 images: a stem, three residual stages (28→14→7), a linear classifier.
-
-    Its BatchNorm normalises with each rank's own share of the batch, so ddp differs slightly from single
-    mode (see mode.sync_batchnorm). It has no dropout, hence no ``dropout`` argument.
-    """
+    """A small ResNet for 28×28 images: a stem, three residual stages (28→14→7), a linear classifier. Its
+    BatchNorm normalises each rank's share (ddp differs slightly from single; see mode.sync_batchnorm)."""
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
@@ -95,10 +89,8 @@ class ResNet(nn.Module):
 
 class FastNet(nn.Module):
     """Three stages of conv 3×3 → maxpool → BatchNorm → ReLU (28→14→7→3) and a linear classifier: the
-    ``recipe=fast`` net, chosen for time to accuracy on a CPU (61,000 parameters at widths 24, 48, 96). On a
-    CPU the elementwise layers take most of a narrow net's time, so each stage pools right after its
-    convolution (as airbench does): BatchNorm and ReLU touch a quarter of the pixels. No dropout.
-    """
+    ``recipe=fast`` net. Each stage pools right after its convolution (as airbench does), so the elementwise
+    layers, most of a narrow net's time on a CPU, touch a quarter of the pixels."""
 
     def __init__(self, widths: tuple[int, int, int] = (24, 48, 96)) -> None:
         super().__init__()

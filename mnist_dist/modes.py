@@ -1,13 +1,5 @@
-"""The mode table: what each mode is, in one entry, read by validation, launch, the worker and the tools.
-
-Each mode also has a structured config (its knobs, with their defaults), so a knob of another mode is an
-error while the config is composed. Adding a mode is one entry here (``register``) and one YAML in
-``conf/mode/`` that names it::
-
-    # conf/mode/my_mode.yaml
-    defaults:
-      - /mode_schema@_here_: my_mode
-"""
+"""The mode table: each mode's wrap function, structured config (its knobs: another mode's is an error while
+the config is composed) and process layout, read by validation, launch, the worker and the tools."""
 
 from __future__ import annotations
 
@@ -76,7 +68,6 @@ class TorchDDPMode(ReplicatedMode):
 class DDPMode(ReplicatedMode):
     name: str = "ddp"
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
-    compress_bf16: bool = False  # gradients travel as bf16 (half the bytes), summed in fp32
     # On gloo, seconds a backward waits for the other ranks before it fails in one line (they ran other steps)
     peer_wait_s: float = 60.0
 
@@ -161,8 +152,8 @@ def compile_refusal(cfg: Any, device_type: str) -> str:
 
 
 def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1) -> nn.Module:
-    """Places ``model`` on ``device`` (this process's) and applies ``mode`` (a mode config): the one place
-    distribution enters a model. dp and split use ``gpus`` devices; a mode's process group must exist."""
+    """``model`` on ``device`` (this process's), wrapped as ``mode`` (a mode config) says; dp and split use
+    ``gpus`` devices; a mode's process group must exist."""
     return MODES[mode.name].wrap(model, mode, device, gpus)
 
 
@@ -203,7 +194,6 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         bucket_cap_mb=mode.bucket_cap_mb,
         overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
-        compress_bf16=mode.compress_bf16,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
         peer_wait_s=mode.peer_wait_s,
     )

@@ -1,7 +1,5 @@
-"""What one step computes, as plain functions of modules and tensors: the optimizer step on a rank's share
-of the global batch (with gradient accumulation), exact sharded evaluation, the check that stops a diverged
-run, and amp for one device. The worker's loop, the pre-flight check and the benchmarks call them.
-"""
+"""One step as plain functions of modules and tensors: the optimizer step on a rank's share of the global
+batch (with gradient accumulation), exact sharded evaluation, the divergence check, and amp."""
 
 from __future__ import annotations
 
@@ -26,13 +24,8 @@ def train_step(
     accumulate: int = 1,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """One optimizer step on this rank's share of the global batch; returns its loss.
-
-    The same lines in every mode: wrappers that synchronise gradients (ours and torch's DDP) finish
-    inside ``backward()``, so nothing is called between it and the optimizer's step. The named ranges
-    (forward, backward, optimizer) are where a step's time goes in the trace that ``profile=true`` writes,
-    alike in every mode; a DDP's all-reduces show inside backward.
-    """
+    """One optimizer step on this rank's share of the global batch; returns its loss. The same lines in every
+    mode: a DDP averages the gradients inside ``backward()``. The named ranges are what ``profile=true`` shows."""
     optimizer.zero_grad(set_to_none=True)
     loss = compute_gradients(model, x, y, precision, accumulate, label_smoothing)
     with record_function("optimizer"):
@@ -50,11 +43,7 @@ def compute_gradients(
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Gradients of the mean loss over (x, y) in ``parts`` micro-batches, added to ``.grad``; returns that loss.
-
-    Each micro-batch's loss is divided by ``parts``, so the summed gradients are those of the whole
-    share. Both DDPs (the models with ``no_sync``) all-reduce only in the last backward: ``no_sync`` holds
-    the forward too, since both decide at forward whether its backward syncs (pytorch/pytorch#43201).
-    """
+    A DDP all-reduces only in the last backward: ``no_sync`` holds the forward too, where both DDPs decide."""
     losses = []
     for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
         last = i == parts - 1
@@ -92,11 +81,8 @@ def evaluate(
 def evaluate_as_saved(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
 ) -> tuple[float, float]:
-    """``evaluate`` of the model a checkpoint saves (a collective: every rank calls it at the same step).
-
-    Each rank's last training forward updated its BatchNorm statistics from its own share; rank 0's are
-    the ones saved, so every rank takes them first, and the reported accuracy is model.pt's. The
-    wrappers' own broadcasts at the next training forward are unchanged."""
+    """``evaluate`` of the model a checkpoint saves (a collective): every rank takes rank 0's BatchNorm statistics
+    first, the ones saved, so the reported accuracy is model.pt's."""
     buffers_from_rank0(model)
     return evaluate(unwrap(model), x, y, batch_size, rank, world_size)
 

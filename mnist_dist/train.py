@@ -1,12 +1,6 @@
-"""The worker: build → the epochs → finish, the same code in every mode and on every rank.
-
-Each epoch is one explicit loop (``train_epoch``): batch → ``train_step`` (mnist_dist/step.py; a DDP
-averages the gradients inside its backward) → every ``log_every`` steps one synchronised log window (one
-all_gather, rank 0 writes TensorBoard) → at the epoch's end the exact evaluation and the checkpoint. Nothing
-runs from a hook: every clock read, log line and file written is a line of this loop. It gets a plain
-config, plain paths and its topology (never Hydra globals) and never touches the network: the parent
-prepared the data.
-"""
+"""The worker: build → the epochs → finish, the same code in every mode and on every rank. Each epoch is one
+loop (``train_epoch``): batch → ``train_step`` → every ``log_every`` steps one synchronised log window → at its
+end the evaluation and the checkpoint. Every clock read, log line and file written is a line of this loop."""
 
 from __future__ import annotations
 
@@ -63,9 +57,7 @@ class Score:
 
 @dataclass
 class Run:
-    """What a worker builds once, and where the loop has got to (step, losses, score): the loop advances it,
-    a resume (checkpoint.restore) sets it once before the loop, checkpoint.save_checkpoint and results.finish
-    only read it."""
+    """What a worker builds once, and where the loop has got to: the loop advances it, a resume sets it once."""
 
     cfg: Config
     topology: Topology
@@ -161,8 +153,7 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
 
 def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: torch.profiler.profile | None) -> None:
     """One pass over the training set after its first ``done`` steps, each rank on its share of every global
-    batch, in the epoch's order; then the test set and the checkpoint. Every step: batch -> step -> every
-    ``log_every`` steps one synchronised log window -> the stop vote and the mid-epoch checkpoint."""
+    batch; then the test set and the checkpoint."""
     cfg, learner, meters, (train_x, train_y) = run.cfg, run.learner, run.meters, run.train_set
     started, last = time.perf_counter(), steps_per_epoch(len(train_x), cfg.batch_size)
     learner.model.train()
@@ -233,8 +224,8 @@ def log_window(run: Run, progress: Progress) -> None:
 
 
 def evaluate(run: Run) -> bool:
-    """Exact test loss and accuracy of the model at this step, called with the training clocks stopped (a
-    collective: every rank calls it at the same step). True when ``cfg.target_accuracy`` is set and reached."""
+    """Exact test loss and accuracy at this step (a collective, with the training clocks stopped); True when
+    ``cfg.target_accuracy`` is set and reached."""
     learner, meters, score, topology = run.learner, run.meters, run.score, run.topology
     meters.eval_time.start()
     with learner.precision.autocast():

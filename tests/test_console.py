@@ -78,8 +78,8 @@ def test_a_pipe_gets_progress_lines_in_the_console_and_the_log(tiny_root, tmp_pa
     assert (
         f"config: {' '.join(RUN[3:])} mode=ddp gpus=2 data.root={tiny_root} (all of it in config.yaml)" in result.stderr
     )
-    assert "compress_bf16: false" not in result.stderr
-    assert "compress_bf16: false" in (tmp_path / "rank_0.log").read_text()
+    assert "peer_wait_s: 60.0" not in result.stderr
+    assert "peer_wait_s: 60.0" in (tmp_path / "rank_0.log").read_text()
 
 
 def test_the_config_line_is_the_command_line_overrides():

@@ -5,6 +5,7 @@ start-up dominates on a small machine); each pattern is then its own test over t
 fails: collectives time out after 60 s, and the whole job has a wall-clock deadline.
 """
 
+import re
 import signal
 from datetime import timedelta
 
@@ -160,8 +161,7 @@ def test_parameterless_module_is_refused_as_torch_ddp_refuses_it(ranks):
 def test_sparse_embedding_is_refused_at_wrap_naming_the_parameter(ranks):
     world_size, results = ranks
     for rank in range(world_size):
-        assert results[rank]["ours"]["sparse_embedding"] == {
-            "error": "ValueError: 0.weight gets sparse gradients, which this DistributedDataParallel does not "
-            "average; construct it with sparse=False, or use torch's DistributedDataParallel"
-        }
+        assert re.match(
+            r"ValueError: 0\.weight gets sparse gradients", results[rank]["ours"]["sparse_embedding"]["error"]
+        )
         assert "error" not in results[rank]["torch"]["sparse_embedding"]

@@ -1,20 +1,5 @@
-"""Data parallelism for any ``nn.Module``, usable from your own script with nothing of MNIST or of this
-app (it imports nothing from the rest of mnist_dist; see examples/ddp_regression.py)::
-
-    import torch.distributed as dist
-
-    from mnist_dist.parallel import DistributedDataParallel, spawn
-
-    def worker(rank: int, world_size: int) -> None:
-        dist.init_process_group("gloo")  # spawn set the address, port, rank and size
-        model = DistributedDataParallel(MyNet())
-        ...
-
-    if __name__ == "__main__":
-        spawn(worker, 2)
-
-``ddp`` imports only torch: copy it beside your script (examples/ddp.py is it); the app applies its modes
-with them in ``mnist_dist/modes.py``.
+"""Data parallelism for any ``nn.Module``, usable from your own script: it imports nothing from the rest of
+mnist_dist (examples/ddp_regression.py uses it). ``ddp.py`` imports only torch: copy it beside your script.
 """
 
 from __future__ import annotations
@@ -26,7 +11,7 @@ from __future__ import annotations
 # ("terminate called without an active exception"). Imported here, its defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 
-from mnist_dist.parallel.ddp_extras import DistributedDataParallel  # the core (ddp.py) and join(), compression
+from mnist_dist.parallel.ddp_extras import DistributedDataParallel  # the core (ddp.py), join() and more
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 from mnist_dist.parallel.spawn import WorkerFailed, spawn
 from mnist_dist.parallel.state import buffers_from_rank0, plain_state_dict, unwrap

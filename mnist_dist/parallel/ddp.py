@@ -2,10 +2,9 @@
 
     model = DistributedDataParallel(model.to(device))   # after init_process_group; torch DDP's arguments
     loss_fn(model(x), y).backward()                     # .grad now holds the average over the ranks
-    optimizer.step()
 
-It issues the collectives of torch's C++ reducer on the same buckets: the two compute the same bits. Its design and
-where it differs from torch DDP: docs/ddp.md in mnist_dist; ddp_extras.py adds join() and more.
+It issues torch's C++ reducer's collectives on the same buckets: the same bits. Where it differs from torch DDP:
+docs/ddp.md in mnist_dist; ddp_extras.py adds join() and more.
 """
 
 import math
@@ -17,7 +16,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
+from torch.autograd.function import BackwardCFunction
 from torch.profiler import record_function
 
 
@@ -33,8 +32,7 @@ def broadcast_from(tensors: list[torch.Tensor], src: int = 0, group: dist.Proces
 
 
 def _view(flat: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
-    # The parameter's own layout where it is dense in some order of its dimensions, as torch's bucket views: each
-    # element sits where torch's sits, so gloo adds up each in the same order (at 3 ranks, another order is other bits)
+    # As torch's bucket views, the parameter's own layout where dense: gloo then adds each element in torch's order
     dims = sorted((stride, size) for size, stride in zip(param.shape, param.stride()) if size != 1)
     if all(stride == math.prod(size for _, size in dims[:k]) for k, (stride, _) in enumerate(dims)):
         return flat.as_strided(param.shape, param.stride(), offset)
@@ -59,10 +57,7 @@ class Bucket:
                 view.mul_(scale)
             else:  # the copy and the scaling in one pass, as torch's reducer (mul_out)
                 torch.mul(grad, scale, out=view)
-        self.work = self.start(group)
-
-    def start(self, group: dist.ProcessGroup) -> dist.Work:
-        return dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
         for i, view in zip(self.indices, self.views):
@@ -93,8 +88,8 @@ UNSUPPORTED += ["device_mesh", "skip_all_reduce_unused_params", "bucket_cap_mb_l
 
 
 class DistributedDataParallel(nn.Module):
-    """Averages gradients across ``process_group`` with bucketed all-reduce, overlapped with backward; torch DDP's
-    arguments, in its order, those in UNSUPPORTED refused when given (not None or False)."""
+    """Averages gradients over ``process_group`` by bucketed all-reduce overlapped with backward; torch DDP's
+    arguments in its order, those in UNSUPPORTED refused when given (not None or False)."""
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
@@ -107,9 +102,8 @@ class DistributedDataParallel(nn.Module):
         if refused := [name for name in UNSUPPORTED if arguments[name] not in (None, False)]:
             raise NotImplementedError(f"{', '.join(refused)}: not supported here; use torch's DistributedDataParallel")
         if sparse := [n for n, m in module.named_modules() if getattr(m, "sparse", False) and m.weight.requires_grad]:
-            name = f"{sparse[0]}.weight".lstrip(".")
-            raise ValueError(f"{name} gets sparse gradients, which this DistributedDataParallel does not average; "
-                             "construct it with sparse=False, or use torch's DistributedDataParallel")  # fmt: skip
+            raise ValueError(f"{sparse[0]}.weight".lstrip(".") + " gets sparse gradients, which this DDP does not "
+                             "average; use sparse=False, or torch's DistributedDataParallel")  # fmt: skip
         devices = {p.device for p in module.parameters()}
         on_one_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu" and len(device_ids or []) <= 1
         if (device_ids or output_device is not None) and not on_one_gpu:
@@ -125,13 +119,12 @@ class DistributedDataParallel(nn.Module):
         if not any(p.requires_grad for p in self._params):  # as torch's: nothing to average
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
                                "that requires a gradient")  # fmt: skip
-        self._device, buffers = self._params[0].device, list(module.buffers())
         # no_sync()'s switch; as torch DDP, forward decides if its backward syncs and the next forward syncs buffers
         self._sync_enabled = self._sync_this_backward = self._sync_buffers_next_forward = True
-        self._scale, self._rebuilt = 1.0 / self.world_size, find_unused_parameters
-        self._buckets, self._bucket_of, self._hooked, self.bucket_type = [], {}, set(), Bucket
-        # This backward: arrivals in hook order, next bucket, end queued; used since the last sync (local_used_map)
-        self._arrived, self._next_bucket, self._end_queued, self._used = {}, 0, False, set()
+        self._scale, self._rebuilt, self._device = 1.0 / self.world_size, find_unused_parameters, self._params[0].device
+        self._buckets, self._bucket_of, self._hooked = [], {}, set()
+        # This backward: arrivals in order, next bucket, awaited, nested ones running; used since the last sync
+        self._arrived, self._next_bucket, self._expected, self._nested, self._used = {}, 0, set(), [], set()
         if init_sync:  # as torch's: parameters whose shapes differ across ranks would average the wrong elements
             shapes = [(n, tuple(p.shape)) for n, p in zip(self._names, self._params)]
             everyone = [None] * self.world_size
@@ -140,7 +133,7 @@ class DistributedDataParallel(nn.Module):
                 if diff := next(((a, b) for a, b in zip([*theirs, None], [*everyone[0], None]) if a != b), None):
                     raise RuntimeError(f"DDP expects same model across all ranks; rank {rank}: {diff[0]}, 0: {diff[1]}")
             init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False  # torch's rule
-            broadcast_from([*self._params, *(buffers if init_buffers else [])], 0, process_group)
+            broadcast_from([*self._params, *(module.buffers() if init_buffers else [])], 0, process_group)
 
     def __getstate__(self) -> dict:  # as torch DDP's: a process group does not pickle (torch.save, deepcopy)
         return {key: value for key, value in self.__dict__.items() if key != "process_group"}
@@ -150,6 +143,9 @@ class DistributedDataParallel(nn.Module):
         self.process_group, self._buckets, self._bucket_of, self._hooked = dist.group.WORLD, [], {}, set()
 
     def forward(self, *args, **kwargs):
+        if self._arrived:  # its parameters were reached only inside a nested backward: no end was seen
+            raise RuntimeError("the last backward's gradients were never averaged: its graph reaches parameters only "
+                               "through a re-entrant checkpoint; checkpoint with use_reentrant=False")  # fmt: skip
         self._ensure_plan()
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self._sync_enabled
@@ -160,10 +156,8 @@ class DistributedDataParallel(nn.Module):
             args = [a.to(self._device) if isinstance(a, torch.Tensor) else a for a in args]
             kwargs = {k: v.to(self._device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         output = self.module(*args, **kwargs)
-        if sync:
-            for tensor in _tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self._queue_end_of_backward())
+        for tensor in _tensors(output) if sync else []:  # a backward from there awaits what its graph reaches
+            tensor.register_hook(lambda _, node=tensor.grad_fn: self._expect(node))
         return output
 
     @contextmanager
@@ -188,8 +182,7 @@ class DistributedDataParallel(nn.Module):
         self._rebuilt = self.find_unused_parameters
 
     def _rebuild(self) -> None:
-        # The same buckets on every rank, or collectives deadlock or mix tensors up: rank 0's arrival order,
-        # then what it never saw in reverse registration order.
+        # The same buckets on every rank (or collectives mix tensors up): rank 0's arrival order, then the rest reversed
         agreed = [list(self._arrived)]
         dist.broadcast_object_list(agreed, group=self.process_group, group_src=0)
         rest = [i for i, p in reversed(list(enumerate(self._params))) if p.requires_grad and i not in agreed[0]]
@@ -197,20 +190,27 @@ class DistributedDataParallel(nn.Module):
         self._rebuilt = True
 
     def _plan(self, groups: list[list[int]]) -> None:
-        self._buckets = [self.bucket_type(g, self._params) for g in groups]
+        self._buckets = [Bucket(g, self._params) for g in groups]
         self._bucket_of = {i: bucket for bucket in self._buckets for i in bucket.indices}
 
-    def _queue_end_of_backward(self) -> None:
-        # No public API runs code when a backward ends: as torch DDP and FSDP, the autograd engine's callback.
-        if not self._end_queued:
-            self._end_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
+    def _expect(self, node) -> None:
+        # No public hook runs when a backward ends. It has ended for us when every parameter its graph reaches has
+        # arrived, but for arrivals inside a Python Function's backward: a re-entrant checkpoint's nested backward.
+        index, seen, todo = {id(p): i for i, p in enumerate(self._params)}, {node}, [node]
+        while todo:
+            node = todo.pop()
+            if (i := index.get(id(getattr(node, "variable", None)))) is not None and self._params[i].requires_grad:
+                self._expected.add(i)
+            if isinstance(node, BackwardCFunction):
+                node.register_prehook(lambda _: self._nested.append(1))  # balanced: they go with the graph
+                node.register_hook(lambda *_: self._nested.remove(1))
+            todo += [next_node for next_node, _ in node.next_functions if next_node not in seen and next_node]
+            seen.update(todo)
 
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:
         self._used.add(index)
         if not self._sync_this_backward:
             return
-        self._queue_end_of_backward()
         bucket = self._bucket_of.get(index)
         if index not in self._arrived:
             self._arrived[index] = None
@@ -222,6 +222,10 @@ class DistributedDataParallel(nn.Module):
                 f"{self._names[index]} got a second gradient in one backward after its bucket was sent; "
                 "pass overlap=False, or checkpoint with use_reentrant=False"
             )
+        if not self._nested and index in self._expected:
+            self._expected.remove(index)
+            if not self._expected:
+                self._end_of_backward()
 
     def _launch_ready_buckets(self, everything: bool = False) -> None:
         while self._next_bucket < len(self._buckets):
@@ -233,9 +237,6 @@ class DistributedDataParallel(nn.Module):
             self._next_bucket += 1
 
     def _end_of_backward(self) -> None:
-        self._end_queued = False
-        if not self._arrived:  # e.g. autograd.grad() through the outputs: no .grad was written
-            return
         try:
             trained = [i for i in self._bucket_of if self._params[i].requires_grad]
             missing = [self._names[i] for i in trained if i not in self._arrived]
@@ -261,20 +262,19 @@ class DistributedDataParallel(nn.Module):
         finally:
             for bucket in self._buckets:
                 bucket.pending, bucket.work = len(bucket.indices), None
-            self._arrived, self._next_bucket, self._used = {}, 0, set()
+            self._arrived, self._next_bucket, self._expected, self._nested, self._used = {}, 0, set(), [], set()
 
     def _wait(self, work: dist.Work) -> None:
         work.wait()
 
     def _before_module(self, sync: bool) -> None:
         # Rank 0's buffers to all; as torch DDP looked up again, so that one rebound after wrapping is the one synced.
-        buffers = list(self.module.buffers())
-        if self.forward_sync_buffers and self._sync_buffers_next_forward and buffers:
+        if self.forward_sync_buffers and self._sync_buffers_next_forward and (buffers := list(self.module.buffers())):
             broadcast_from(buffers, 0, self.process_group)
 
 
-def _tensors(output) -> list[torch.Tensor]:
+def _tensors(output) -> list[torch.Tensor]:  # those in an autograd graph
     if isinstance(output, torch.Tensor):
-        return [output]
+        return [output] if output.grad_fn else []
     items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else []
     return [t for item in items for t in _tensors(item)]

@@ -2,7 +2,6 @@
 
 - ``join()``, torch DDP's context for ranks with different numbers of batches;
 - ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison;
-- ``compress_bf16``: fp32 gradients travel as bf16 (half the bytes) and are added up in fp32;
 - ``peer_wait_s``: on gloo, a backward that waits this long for the other ranks raises, naming the likely cause
   (uneven steps without ``join()``), where gloo would hang for half an hour.
 """
@@ -18,52 +17,21 @@ from mnist_dist.parallel import ddp
 from mnist_dist.parallel.ddp import broadcast_from
 
 
-class CompressedBucket(ddp.Bucket):
-    """An fp32 bucket's bf16 copies from every rank gathered and added up in fp32 (an all-reduce would add in bf16);
-    other dtypes as ddp.Bucket."""
-
-    def __init__(self, indices: list[int], params: list[torch.Tensor]) -> None:
-        super().__init__(indices, params)
-        self.wire: list[torch.Tensor] = []
-
-    def start(self, group: dist.ProcessGroup) -> dist.Work:
-        if self.buffer.dtype != torch.float32:
-            return super().start(group)
-        if not self.wire:
-            self.wire = [self.buffer.new_empty(self.buffer.numel(), dtype=torch.bfloat16) for _ in range(group.size())]
-        mine = self.wire[dist.get_rank(group)]
-        mine.copy_(self.buffer)
-        return dist.all_gather(self.wire, mine, group=group, async_op=True)
-
-    def write_back(self, params: list[torch.Tensor], used: list[bool] | None, as_view: bool) -> None:
-        if self.wire:
-            torch.sum(torch.stack(self.wire), dim=0, dtype=torch.float32, out=self.buffer)
-        super().write_back(params, used, as_view)
-
-
 class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
-    """ddp.DistributedDataParallel's arguments, and ``overlap``, ``compress_bf16`` and ``peer_wait_s`` (above)."""
+    """ddp.DistributedDataParallel's arguments, and ``overlap`` and ``peer_wait_s`` (above)."""
 
-    def __init__(
-        self, module, *args, overlap: bool = True, compress_bf16: bool = False, peer_wait_s: float = 60.0, **kwargs
-    ) -> None:
+    def __init__(self, module, *args, overlap: bool = True, peer_wait_s: float = 60.0, **kwargs) -> None:
         super().__init__(module, *args, **kwargs)
         Joinable.__init__(self)
-        self.overlap, self.compress_bf16, self._backwards = overlap, compress_bf16, 0
-        self.bucket_type = CompressedBucket if compress_bf16 else ddp.Bucket
+        self.overlap, self._backwards = overlap, 0
         # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
         self._peer_wait = timedelta(seconds=peer_wait_s if dist.get_backend(self.process_group) == "gloo" else 0)
-        self._divide_by_initial_world_size = True
+        self._divide_by_initial_world_size, self._joining = True, False
 
     @property
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
-
-    @property
-    def bucket_buffers(self) -> list[torch.Tensor]:
-        """The memory this wrapper holds besides ``.grad``: flat buffers, and compression's copies."""
-        return [t for b in self._buckets for t in [b.buffer, *getattr(b, "wire", [])]]
 
     def _launch_ready_buckets(self, everything: bool = False) -> None:
         if self.overlap or everything:
@@ -76,7 +44,8 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
             warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
 
     def forward(self, *args, **kwargs):
-        ranks_in = Join.notify_join_context(self)  # None outside join()
+        ranks_in = Join.notify_join_context(self)  # None outside an enabled join()
+        self._joining = ranks_in is not None
         output = super().forward(*args, **kwargs)
         if ranks_in is not None and not self._divide_by_initial_world_size:
             ranks_in.wait()
@@ -90,7 +59,7 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
 
     def _before_module(self, sync: bool) -> None:
         self._scale = 1.0 / self.world_size
-        if not self._join_config.enable:
+        if not self._joining:
             return super()._before_module(sync)
         self._sync_buffers(candidate=True)
         self._all_reduce(float(sync))  # tells the joined ranks whether to shadow this backward
@@ -148,7 +117,7 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
             return
         for bucket in self._buckets:
             bucket.buffer.zero_()
-            bucket.start(self.process_group).wait()
+            dist.all_reduce(bucket.buffer, group=self.process_group)
         if self.find_unused_parameters:  # the others' count of the parameters used anywhere; none here
             dist.all_reduce(
                 torch.zeros(len(self._params), dtype=torch.int32, device=self._device), group=self.process_group

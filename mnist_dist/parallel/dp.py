@@ -1,14 +1,6 @@
-"""The single-process multi-GPU family of PyTorch's multi-GPU tutorial, applied to a plain model.
-
-- ``nn.DataParallel`` over the whole model, or over one sub-block of it (the tutorial's ``block2``);
-- the same by hand: ``replicate``, ``scatter``, ``parallel_apply``, ``gather`` (the tutorial's
-  ``data_parallel`` function), to show what DataParallel does on every step;
-- a model split across two devices, with the activations moved between them in forward.
-
-Why DDP exists: DataParallel is one Python process driving every GPU, so the GIL serialises the
-replicas' Python work, and it copies the whole model to every GPU on every step (``replicate``),
-then gathers outputs on the first GPU, which is left with more memory and work than the others.
-DDP runs one process per GPU, replicates once, and only exchanges gradients.
+"""The single-process multi-GPU family of PyTorch's multi-GPU tutorial, applied to a plain model:
+``nn.DataParallel`` over the whole model or one sub-block of it, the same by hand (``replicate``, ``scatter``,
+``parallel_apply``, ``gather``), and a model split across two devices. docs/modes.md says why DDP replaced them.
 """
 
 from __future__ import annotations

@@ -15,28 +15,30 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-class SyncBatchNorm(_BatchNorm):
-    """A drop-in for ``nn.BatchNorm1d/2d/3d`` (same parameters and buffers, so state dicts load both ways)."""
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+class SyncBatchNorm(nn.BatchNorm2d):
+    """A drop-in for ``nn.BatchNorm1d/2d/3d`` (same parameters and buffers, so state dicts load both ways); a
+    BatchNorm2d by class only because torch's common base of the three is private. Any input of 2 or more dims."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
-            return super().forward(input)
-        momentum, running = 0.0, (None, None)
-        if self.track_running_stats:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        momentum, running = 0.0, (self.running_mean, self.running_var)  # None without running statistics
+        if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
             # momentum=None: a cumulative average, as BatchNorm's
             momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.item()
-            running = (self.running_mean, self.running_var)
-        return _GlobalBatchNorm.apply(input, self.weight, self.bias, *running, self.eps, momentum)
+        if self.training and dist.is_initialized() and dist.get_world_size() > 1:
+            return _GlobalBatchNorm.apply(input, self.weight, self.bias, *running, self.eps, momentum)
+        # as BatchNorm's forward: batch statistics in training, or where there are no running ones
+        return F.batch_norm(
+            input, *running, self.weight, self.bias, self.training or running[0] is None, momentum, self.eps
+        )
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
@@ -85,7 +87,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` holding the same parameters and
     buffers (the counterpart of ``nn.SyncBatchNorm.convert_sync_batchnorm``, for any backend)."""
-    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm)):
+    if isinstance(module, BATCHNORMS) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
