@@ -23,7 +23,7 @@ from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]
-RESUME = "python -m mnist_dist resume="  # what an interrupted run prints to go on with, before its directory
+RESUME = f"{sys.executable} -m mnist_dist resume="  # what an interrupted run prints to go on with, before its directory
 
 
 def start(tmp_path, *overrides, **popen):
@@ -618,8 +618,7 @@ def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
     )
     assert code == 130  # 128 + SIGINT: an interrupt, not a failure
     assert capsys.readouterr().err == (
-        f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: python -m mnist_dist "
-        f"resume={run}\n"
+        f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: {RESUME}{run}\n"
     )
     assert not (tmp_path / "new").exists()  # the fresh directory Hydra made for the launch
 
