@@ -38,7 +38,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     equal to its default counts as not set on resume; every caller in the package passes them.
     """
     if launcher():  # this process is a rank: a signal stops it at a step boundary, with a checkpoint
-        with preemption.installed():
+        with preemption.installed(cfg.dist.timeout_s):
             return _launch(cfg, run_dir, overrides)
     return _launch(cfg, run_dir, overrides)
 
@@ -88,7 +88,7 @@ def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: 
 
 
 def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> dict:
-    with preemption.installed():
+    with preemption.installed(cfg.dist.timeout_s):
         setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
         return train(cfg, run_dir, data_dir, topology)
 

@@ -16,7 +16,7 @@ from mnist_dist.operations import checkpoint, preemption
 
 def test_a_signal_is_acted_on_at_the_next_step_and_the_handlers_are_put_back(one_rank):
     before = signal.getsignal(signal.SIGTERM)
-    with preemption.installed():
+    with preemption.installed(60):
         assert preemption.requested(1) is None
         os.kill(os.getpid(), signal.SIGUSR1)  # noted, not acted on: a step is under way
         assert [preemption.requested(step) for step in (2, 3)] == [None, "SIGUSR1"]
@@ -25,7 +25,7 @@ def test_a_signal_is_acted_on_at_the_next_step_and_the_handlers_are_put_back(one
 
 def test_a_signal_before_the_first_step_stops_at_once():
     before = "^stopped by SIGTERM before the first step: nothing new to save"
-    with pytest.raises(preemption.Stopped, match=before), preemption.installed():
+    with pytest.raises(preemption.Stopped, match=before), preemption.installed(60):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -36,7 +36,7 @@ import socket, sys
 from datetime import timedelta
 import torch.distributed as dist
 from mnist_dist.operations import preemption
-stopping = preemption.installed()
+stopping = preemption.installed(60)
 stopping.__enter__()
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
@@ -67,7 +67,7 @@ def test_a_signal_during_the_rendezvous_exits_for_a_requeue(tmp_path):
 
 
 def _stops_together(rank: int, world_size: int):
-    with preemption.installed():
+    with preemption.installed(60):
         for step in range(1, 50):
             dist.all_reduce(torch.ones(1))  # the step's own collective
             if rank == 1 and step == 5:

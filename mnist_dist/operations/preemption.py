@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ _last: list[str] = []  # the signal that stopped the last run, once its handlers
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
 _votes: list = []  # the last step's vote: (its all-reduce, its tensor)
 _group: list = []  # the process group the votes go through (gloo: no device sync for one number)
+_timeout: list[timedelta] = []  # how long a vote waits for a stuck rank
 
 
 class Stopped(BaseException):  # noqa: N818 (like KeyboardInterrupt: not an error, so not an Exception)
@@ -42,9 +44,10 @@ def received() -> int | None:
 
 
 @contextmanager
-def installed() -> Iterator[None]:
-    """Within it these signals stop the run: at once before the first step, else after a vote. The handlers
-    and this module's state are put back afterwards: a sweep runs several jobs in one process."""
+def installed(timeout_s: float) -> Iterator[None]:
+    """Within it these signals stop the run: at once before the first step, else after a vote that waits at
+    most ``timeout_s`` (dist.timeout_s). The handlers and this module's state are put back afterwards: a sweep
+    runs several jobs in one process."""
     handled: list[bool] = []  # the handler raised Stopped: the main thread is on its way out
 
     def on_signal(signum: int, frame) -> None:
@@ -55,6 +58,7 @@ def installed() -> Iterator[None]:
             handled.append(True)
             raise Stopped(_BEFORE_TRAINING.format(_received[0]))
 
+    _timeout[:] = [timedelta(seconds=timeout_s)]
     before = {signum: signal.getsignal(signum) for signum in _SIGNALS}
     for signum, handler in before.items():
         if handler is not signal.SIG_IGN:  # a spawned rank leaves Ctrl-C to its launcher
@@ -96,7 +100,8 @@ def requested(step: int) -> str | None:
         return _received[0] if _received else None
     if not _group:
         # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
-        _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+        gloo = dist.get_backend() == "gloo"
+        _group.append(None if gloo else dist.new_group(backend="gloo", timeout=_timeout[0]))
     vote = torch.tensor([float(bool(_received))])
     work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
     previous, _votes[:] = _votes[:], [(work, vote)]
