@@ -56,17 +56,6 @@ def fractions(text: str) -> list[float]:
     raise argparse.ArgumentTypeError(f"{text}: test accuracies as fractions in (0, 1], e.g. 0.91,0.92")
 
 
-def load_warning(load_average: float, cores: int | None = None) -> str | None:
-    """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
-    cores = cores or os.cpu_count() or 1
-    if load_average <= cores:
-        return None
-    return (
-        f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
-        "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
-    )
-
-
 def save_chart(path: Path, draw: Callable) -> str:
     """``draw(pyplot)``'s figure saved to ``path`` as PNG; the file's name, or why there is none: matplotlib is
     an extra (``pip install -e '.[plot]'``) that only the charts need."""

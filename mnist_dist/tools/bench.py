@@ -32,7 +32,7 @@ if __name__ == "__main__":
 
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools import fractions, load_warning, save_chart, train_in_subprocess
+from mnist_dist.tools import fractions, save_chart, train_in_subprocess
 from mnist_dist.tools.synthetic import write_idx
 
 CASES = {  # overrides of `python -m mnist_dist`
@@ -160,7 +160,7 @@ def run_bench(chosen: list[str], skipped: dict[str, str], settings: dict, out: P
             samples[case].append(train(case, [*CASES[case], *where, *shape], work / "runs" / f"{case}_{round_}"))
             speed = samples[case][-1]["train_images_per_s"]
             print(f"round {round_ + 1}/{settings['repeats']} {case}: {speed:,.0f} images/s", flush=True)
-    result = {**report(samples, skipped), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
+    result = {**report(samples, skipped), "warning": machine.load_warning(max(loads + [os.getloadavg()[0]]))}
     saved = {"machine": machine.describe(), "settings": settings, "samples": samples, **result}
     return write_report(out, "bench", markdown(result, settings, saved["machine"]), saved, bar_chart(result))
 
@@ -280,7 +280,7 @@ def run_tta(args: argparse.Namespace, out: Path, work: Path) -> tuple:
             curves.setdefault(case, curve)  # seed 1's
             samples[case].append({**results, "seconds_to": [seconds_to(curve, target) for target in targets]})
             print(f"seed {seed} {case}: {_seconds(samples[case][-1]['seconds_to'][-1])} s to target", flush=True)
-    result = {**tta_summary(samples, targets), "warning": load_warning(max(loads + [os.getloadavg()[0]]))}
+    result = {**tta_summary(samples, targets), "warning": machine.load_warning(max(loads + [os.getloadavg()[0]]))}
     settings = {key: getattr(args, key) for key in ("targets", "dataset", "device", "gpus", "eval_every", "seeds")}
     saved = {"machine": machine.describe(), "settings": settings, **result}
     table = tta_markdown(result, settings, saved["machine"])

@@ -50,7 +50,7 @@ from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.tools import load_warning, save_chart
+from mnist_dist.tools import save_chart
 from mnist_dist.topology import resolve
 
 OPTIONS = {
@@ -139,7 +139,7 @@ def warnings(report: dict, load_average: float, cores: int) -> list[str]:
             f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({worst}): "
             "the ranking by speed may be noise; rerun on an idle machine or with more repeats="
         )
-    return lines + [line for line in [load_warning(load_average, cores)] if line]
+    return lines + [line for line in [machine.load_warning(load_average, cores)] if line]
 
 
 def markdown(report: dict) -> str:
