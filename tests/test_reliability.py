@@ -145,28 +145,6 @@ def _workers_gone(pids: Path) -> None:
     assert wait_for(lambda: not [pid for pid in workers if _alive(pid)]), "a worker outlived the launcher"
 
 
-@pytest.mark.slow
-def test_sigterm_stops_every_worker_and_names_the_checkpoint_that_resumes(tiny_root, tmp_path, make_config):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    settings = _interruptible(tiny_root, pids)
-    process = start(tmp_path, *settings, "epochs=50")  # 1,000 steps of at least 0.05 s: it cannot end by itself
-    run, saved = tmp_path / "run", tmp_path / "run" / "checkpoint.pt"
-    assert wait_for(saved.exists)
-    process.send_signal(signal.SIGTERM)  # to the launcher alone, as `kill` or a scheduler sends it
-    code, err = finish(process)
-    assert code == 143 and "Traceback" not in err, err  # 128 + SIGTERM, as a shell says a signal ended it
-    last = err.strip().splitlines()[-1]
-    assert last == f"interrupted; the last complete checkpoint is {saved}; go on with: {RESUME}{run}"
-    assert len(list(pids.iterdir())) == 2
-    _workers_gone(pids)
-    # The checkpoint resumes: in this process, whose spawned ranks fork from a server that has imported
-    # torch already (a second command line would pay that again).
-    epoch = torch.load(saved, weights_only=False)["epoch"]
-    launch(make_config(*settings, f"epochs={epoch + 1}", f"resume={run}"), tmp_path / "unused")
-    assert torch.load(saved, weights_only=False)["epoch"] == epoch + 1
-
-
 # Moment 0: as soon as both workers exist, before the first checkpoint (20 steps of at least 0.05 s
 # away). Each further one is a random moment of the first 15 s: by hand, MNIST_DIST_INTERRUPTS=20.
 INTERRUPTS = int(os.environ.get("MNIST_DIST_INTERRUPTS", "1"))

@@ -34,7 +34,7 @@ _group: list = []  # the process group the votes go through (gloo: no device syn
 _timeout: list[timedelta] = []  # how long a vote waits for a stuck rank
 
 
-class Stopped(BaseException):  # noqa: N818 (like KeyboardInterrupt: not an error, so not an Exception)
+class Stopped(KeyboardInterrupt):  # noqa: N818 (a Ctrl-C, answered: whoever handles Ctrl-C handles it)
     """A signal asked this run to stop; the checkpoint is written. The message says where it is."""
 
 
@@ -60,14 +60,14 @@ def installed(timeout_s: float) -> Iterator[None]:
 
     _timeout[:] = [timedelta(seconds=timeout_s)]
     before = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-    for signum, handler in before.items():
-        if handler is not signal.SIG_IGN:  # a spawned rank leaves Ctrl-C to its launcher
-            signal.signal(signum, on_signal)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # the interpreter writes each signal
     threading.Thread(target=_watch_start_up, args=(read_end, handled), name="preemption_watch", daemon=True).start()
     try:
+        for signum, handler in before.items():
+            if handler is not signal.SIG_IGN:  # a spawned rank leaves Ctrl-C to its launcher
+                signal.signal(signum, on_signal)
         yield
     finally:
         signal.set_wakeup_fd(wakeup)

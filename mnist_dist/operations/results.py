@@ -64,9 +64,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
         hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
         run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
         log.info("results: %s", results, extra=FILE_ONLY)  # the console gets the summary
-        log.info("%s", summary_line(results))
         if busy := machine.load_warning(os.getloadavg()[0]):  # a sweep's speeds too: each run says it
             log.warning("%s", busy)
+        log.info("%s", summary_line(results))
         log.info("run directory: %s", run.run_dir.resolve())
     if dist.is_initialized():
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
