@@ -44,10 +44,12 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
 
 
 def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None:
-    by, asked = launcher(), cfg.gpus
+    by, asked, fresh = launcher(), cfg.gpus, not cfg.resume
     if by:
         die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
         topology = from_env(cfg)
+        if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+            validate(cfg, topology)
         setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
         run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
     cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
@@ -55,7 +57,8 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
         cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
     else:
         topology = resolve(cfg)
-    validate(cfg, topology)
+    if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
+        validate(cfg, topology)
     if by:
         cfg.gpus = topology.world_size  # what runs, as config.yaml records it
     if saved:
