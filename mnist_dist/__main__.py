@@ -70,14 +70,19 @@ def _run(cfg: DictConfig) -> None:
             launch(config, run_dir, HydraConfig.get().overrides.task)
         outcome.finished = True
         exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
+        if preemption.received():  # a Ctrl-C after its last step: the run is complete, and the command interrupted
+            interrupted(_interrupted(written or [run_dir], started), preemption.received())
     except (WorkerFailed, ConfigError, DataError, TrainingDiverged) as error:  # one line: what is wrong, what to do
         outcome.keep_logs = isinstance(error, WorkerFailed)  # its line names the failed rank's log: the traceback
         sys.exit(f"error: {error}")
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe_os_error(error)}")
-    except preemption.Stopped as stop:  # a scheduler's warning: the requeued job goes on with resume=auto
-        sys.stderr.write(f"{stop}\n")
-        sys.exit(preemption.REQUEUE)
+    except preemption.Stopped as stop:  # a checkpoint at the last step boundary, if a step was done
+        exit_on_interrupt("interrupted again: stopped at once")
+        if launcher() == "srun":  # a scheduler's warning: the requeued job goes on with resume=auto
+            sys.stderr.write(f"{stop}\n")
+            sys.exit(preemption.REQUEUE)
+        interrupted(_interrupted(written or [run_dir], started), preemption.received())
     except KeyboardInterrupt:
         interrupted(_interrupted(written or [run_dir], started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
@@ -107,7 +112,7 @@ def _interrupted(written: list[Path], started: float) -> str:
         return f"interrupted as the run ended; it is complete in {written[0]}"
     saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
     if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.operations.compatibility)
-        again = shlex.join(["python", "-m", "mnist_dist", f"resume={saved[0].parent}"])
+        again = shlex.join([sys.executable, "-m", "mnist_dist", f"resume={saved[0].parent}"])
         return f"interrupted; the last complete checkpoint is {saved[0]}; go on with: {again}"
     return "interrupted before the first checkpoint; nothing was saved"
 

@@ -69,7 +69,7 @@ class DataConfig:
 @dataclass
 class DistConfig:
     port: int = 0  # rendezvous port on 127.0.0.1 for spawned workers; 0 picks a free one
-    timeout_s: int = 300  # a collective that waits longer than this fails instead of hanging
+    timeout_s: int = 60  # a collective that waits longer than this fails instead of hanging
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 
 from mnist_dist.config import Config, data_root, validate
@@ -36,12 +37,19 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     resume changes (the settings they name, and those that differ from the defaults). Without them a setting
     equal to its default counts as not set on resume; every caller in the package passes them.
     """
-    by, asked = launcher(), cfg.gpus
+    if launcher():  # this process is a rank: a signal stops it at a step boundary, with a checkpoint
+        with preemption.installed(cfg.dist.timeout_s):
+            return _launch(cfg, run_dir, overrides)
+    return _launch(cfg, run_dir, overrides)
+
+
+def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None:
+    by, asked, fresh = launcher(), cfg.gpus, not cfg.resume
     if by:
         die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
-        if by == "srun":
-            preemption.install()  # SIGUSR1/SIGTERM: checkpoint and exit for a requeue
         topology = from_env(cfg)
+        if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+            validate(cfg, topology)
         setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
         run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
     cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
@@ -49,7 +57,8 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
     else:
         topology = resolve(cfg)
-    validate(cfg, topology)
+    if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
+        validate(cfg, topology)
     if by:
         cfg.gpus = topology.world_size  # what runs, as config.yaml records it
     if saved:
@@ -77,12 +86,14 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
 
 
 def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path) -> None:
-    _worker(cfg, run_dir, data_dir, from_env(cfg))  # spawn set what torchrun sets
+    with suppress(preemption.Stopped):  # the launcher passed on a Ctrl-C: the checkpoint is saved; it says so
+        _worker(cfg, run_dir, data_dir, from_env(cfg))  # spawn set what torchrun sets
 
 
 def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> dict:
-    setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
-    return train(cfg, run_dir, data_dir, topology)
+    with preemption.installed(cfg.dist.timeout_s):
+        setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)
+        return train(cfg, run_dir, data_dir, topology)
 
 
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:

@@ -19,7 +19,10 @@ class FailingConvNet(ConvNet):
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
     restarted job goes on. The environment variable ``KILL_AGENT_AT_STEP``, set for one torchrun agent's
-    workers only, makes a worker SIGKILL its agent and itself at that step, as a lost node would."""
+    workers only, makes a worker SIGKILL its agent and itself at that step, as a lost node would;
+    ``INTERRUPT_AT_STEP=SIGINT:3`` has rank 0 press Ctrl-C at that step (SIGINT to its process group, as a
+    terminal does), ``SIGTERM:3`` send SIGTERM to the command alone (the group's leader), as a scheduler does
+    (set for one command only: a resume must not repeat it)."""
 
     def __init__(
         self,
@@ -54,6 +57,10 @@ class FailingConvNet(ConvNet):
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         rank = dist.get_rank() if dist.is_initialized() else 0
+        name, _, at = os.environ.get("INTERRUPT_AT_STEP", ":0").partition(":")
+        if rank == 0 and self.calls == int(at):  # the command's process leads the group: a test starts it so
+            signum = signal.Signals[name]
+            os.killpg(os.getpgrp(), signum) if signum == signal.SIGINT else os.kill(os.getpgrp(), signum)
         if rank == self.fail_rank and self.calls == self.fail_step:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)

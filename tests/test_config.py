@@ -33,6 +33,7 @@ def test_defaults_follow_the_classic_recipe(make_config):
     }
     assert (cfg.batch_size, cfg.test_batch_size, cfg.epochs, cfg.gpus) == (64, 1000, 14, 1)
     assert cfg.model == {"_target_": "mnist_dist.model.ConvNet", "dropout": True}
+    assert cfg.dist.timeout_s == 60  # a hang (a stuck rank, uneven loops without join()) ends within a minute
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Issue 38: settings and launcher variables that were checked by type only, or not at all, are one line
 naming the setting. Each test failed on commit ee05943."""
 
+import os
 import subprocess
 import sys
 
@@ -77,9 +78,9 @@ def test_gpus_under_torchrun_is_what_runs_or_refused(make_config, monkeypatch):
 
 def test_gpus_under_torchrun_is_refused_before_the_batch_is_split_by_it(tiny_root, tmp_path):
     # torchrun's 2 processes are what runs: 64 splits among them; split among gpus=3 it was refused instead
-    env = {"PATH": "/usr/bin:/bin", **TORCHRUN, "RANK": "0", "WORLD_SIZE": "2"}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ["PYTHONPATH"], **TORCHRUN, "RANK": "0", "WORLD_SIZE": "2"}
     overrides = ["mode=ddp", "gpus=3", "batch_size=64", "device=cpu", f"data.root={tiny_root}", "hydra.run.dir=run"]
-    result = subprocess.run(
+    result = subprocess.run(  # refused before the rendezvous, where rank 1 would be waited for dist.timeout_s
         [sys.executable, "-m", "mnist_dist", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert result.stderr == (

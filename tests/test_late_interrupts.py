@@ -98,7 +98,8 @@ def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_t
     os.killpg(process.pid, signal.SIGINT)
     lines = process.communicate(timeout=HANG_S)[1].splitlines()
     ours = f"interrupted; the last complete checkpoint is {tmp_path}/run/checkpoint.pt; go on with: "
-    assert [line for line in lines if line.startswith(ours)] == [f"{ours}python -m mnist_dist resume={tmp_path}/run"]
+    again = f"{sys.executable} -m mnist_dist resume={tmp_path}/run"
+    assert [line for line in lines if line.startswith(ours)] == [ours + again]
     # torchrun's agent reports the Ctrl-C after ours, as troubleshooting.md and running.md say
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
     (quoted,) = re.findall(r"\| `([^`]*SignalException[^`]*)` after a 35-line traceback", troubleshooting)

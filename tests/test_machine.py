@@ -1,6 +1,7 @@
 """Every performance number names its machine: the fields are there, non-empty, and in results.json."""
 
 import json
+import os
 
 from helpers import assert_machine_fields
 
@@ -48,10 +49,18 @@ def test_this_machine_is_described():
     assert_machine_fields(machine.describe())
 
 
-def test_results_json_records_the_machine(make_config, tmp_path):
+def test_results_json_records_the_machine_and_a_busy_machine_is_one_warning(make_config, tmp_path, monkeypatch):
+    busy = 4.0 * (os.cpu_count() or 1)  # as compare says: more work than cores, so images/s is unreliable
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
     launch(make_config("epochs=1"), tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     assert_machine_fields(results["machine"])
+    logged = (tmp_path / "rank_0.log").read_text()
+    assert logged.count("load average") == 1 and "images/s is unreliable" in logged
+
+
+def test_an_idle_machine_has_no_load_warning():
+    assert machine.load_warning(0.5, cores=2) is None
 
 
 GPU_INFORMATION = "Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t GPU-0\n"

@@ -1,4 +1,4 @@
-"""A scheduler's SIGTERM or SIGUSR1 under srun: noticed after every step, and at once before the first."""
+"""SIGTERM, SIGUSR1 or Ctrl-C while a run trains: noticed after every step, and at once before the first."""
 
 import os
 import signal
@@ -14,33 +14,19 @@ from helpers import run_ranks, srun
 from mnist_dist.operations import checkpoint, preemption
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """preemption as in a new process; this process's handlers and wakeup fd as they were, afterwards."""
-    handlers = {signum: signal.getsignal(signum) for signum in preemption._SIGNALS}
-    for name in ("_received", "_installed", "_training", "_votes", "_group"):
-        monkeypatch.setattr(preemption, name, [])
-    yield
-    signal.set_wakeup_fd(-1)
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
+def test_a_signal_is_acted_on_at_the_next_step_and_the_handlers_are_put_back(one_rank):
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.installed(60):
+        assert preemption.requested(1) is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # noted, not acted on: a step is under way
+        assert [preemption.requested(step) for step in (2, 3)] == [None, "SIGUSR1"]
+    assert signal.getsignal(signal.SIGTERM) is before and preemption.received() == signal.SIGUSR1
 
 
-def test_a_signal_is_acted_on_at_the_next_step_whatever_log_every(one_rank, fresh):
-    preemption.install()
-    assert preemption.requested(1) is None
-    os.kill(os.getpid(), signal.SIGUSR1)  # noted, not acted on: a step is under way
-    assert [preemption.requested(step) for step in (2, 3)] == [None, "SIGUSR1"]
-
-
-def test_a_signal_before_the_first_step_stops_at_once(fresh):
-    preemption.install()
-    with pytest.raises(preemption.Stopped) as stop:
+def test_a_signal_before_the_first_step_stops_at_once():
+    before = "^stopped by SIGTERM before the first step: nothing new to save"
+    with pytest.raises(preemption.Stopped, match=before), preemption.installed(60):
         os.kill(os.getpid(), signal.SIGTERM)
-    assert str(stop.value) == (
-        "stopped by SIGTERM before the first step: nothing new to save; start the job again (resume=auto goes on "
-        "from the last checkpoint)"
-    )
 
 
 # A task that waits in a rendezvous for a peer that never comes (its store on 127.0.0.1 only); Stopped
@@ -50,7 +36,8 @@ import socket, sys
 from datetime import timedelta
 import torch.distributed as dist
 from mnist_dist.operations import preemption
-preemption.install()
+stopping = preemption.installed(60)
+stopping.__enter__()
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
 listener.listen()
@@ -80,13 +67,13 @@ def test_a_signal_during_the_rendezvous_exits_for_a_requeue(tmp_path):
 
 
 def _stops_together(rank: int, world_size: int):
-    preemption.install()
-    for step in range(1, 50):
-        dist.all_reduce(torch.ones(1))  # the step's own collective
-        if rank == 1 and step == 5:
-            os.kill(os.getpid(), signal.SIGUSR1)  # to this rank alone
-        if stop := preemption.requested(step):
-            return step, stop
+    with preemption.installed(60):
+        for step in range(1, 50):
+            dist.all_reduce(torch.ones(1))  # the step's own collective
+            if rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGUSR1)  # to this rank alone
+            if stop := preemption.requested(step):
+                return step, stop
     return None
 
 

@@ -14,6 +14,7 @@ from helpers import HANG_S, compose_config
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import make_scheduler
+from mnist_dist.operations import checkpoint
 
 
 @pytest.mark.parametrize("total_steps", [1, 2, 3, 4, 5, 8, 10])
@@ -43,31 +44,29 @@ def _default_sigint() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_ctrl_c_in_the_fast_recipe_and_the_printed_command_end_as_the_uninterrupted_run(tiny_root, tmp_path, mode):
-    # recipe=fast at its default 4 epochs: 2 steps an epoch on the tiny data, OneCycle over all 8
-    same = ["recipe=fast", f"mode={mode}", *(["gpus=2"] if mode == "ddp" else [])]
+@pytest.mark.parametrize(("mode", "sent"), [("single", signal.SIGINT), ("ddp", signal.SIGTERM)])
+def test_a_stop_mid_epoch_saves_there_and_the_printed_command_ends_as_the_uninterrupted_run(
+    tiny_root, tmp_path, mode, sent
+):
+    # 20 steps in the only epoch; in step 3 Ctrl-C (to every process) or SIGTERM (to the command alone)
+    same = [f"mode={mode}", *(["gpus=2"] if mode == "ddp" else []), "epochs=1", "batch_size=32", "log_every=4"]
+    same += ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.05"]
     (tmp_path / "whole").mkdir()
     launch(compose_config(tiny_root, *same), tmp_path / "whole")  # the reference: no command line to test
-    same += [f"data.root={tiny_root}", "data.mirrors=[]", "progress=false"]
     run = tmp_path / "run"
-    # The same weights, later: the resume (its own settings) sleeps too, 6 steps
-    slow = ["model._target_=slow_model.SlowFastNet", "+model.step_seconds=0.5"]
-    # Ctrl-C as a terminal sends it: to the whole foreground job, SIGINT not ignored
-    part = cli(tmp_path, *same, *slow, f"hydra.run.dir={run}", preexec_fn=_default_sigint, start_new_session=True)
-    while not (run / "checkpoint.pt").exists():  # after the first epoch (written atomically)
-        assert part.poll() is None, part.stderr.read()
-    os.killpg(part.pid, signal.SIGINT)
+    where = [f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", f"hydra.run.dir={run}"]
+    env = {**os.environ, "INTERRUPT_AT_STEP": f"{sent.name}:3"}
+    part = cli(tmp_path, *same, *where, env=env, preexec_fn=_default_sigint, start_new_session=True)
     _, err = part.communicate(timeout=HANG_S)
-    assert part.returncode == 130 and "Traceback" not in err, err
+    assert part.returncode == 128 + sent and "Traceback" not in err, err
+    state = checkpoint.load(run / "checkpoint.pt")
+    assert state["epoch"] == 0 and 3 <= state["epoch_step"] < 20, err  # at a step boundary, mid-epoch
     last = err.strip().splitlines()[-1]
-    assert last == f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: " + (
-        f"python -m mnist_dist resume={run}"
-    )
+    assert last.startswith(f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: "), err
     command = shlex.split(last.split("go on with: ")[1])
-    assert command[:3] == ["python", "-m", "mnist_dist"]
-    resumed = cli(tmp_path, *command[3:])  # as printed: no setting retyped
-    assert resumed.wait(timeout=HANG_S) == 0, resumed.stderr.read()
+    assert command == [sys.executable, "-m", "mnist_dist", f"resume={run}"]
+    resumed = subprocess.run(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True, timeout=HANG_S)
+    assert resumed.returncode == 0, resumed.stderr
     expected = torch.load(tmp_path / "whole" / "model.pt")
     weights = torch.load(run / "model.pt")
     assert list(weights) == list(expected)

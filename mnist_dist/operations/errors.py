@@ -89,7 +89,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
 # What stops a command as Ctrl-C does: a terminal's Ctrl-C and hang-up, `kill`, and SIGUSR1 (a scheduler's
-# warning; under srun mnist_dist.operations.preemption answers it with a checkpoint instead).
+# warning; while a run trains, mnist_dist.operations.preemption answers them with a checkpoint instead).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 _received: list[int] = []  # the signal that interrupted the command, for its exit status
 
@@ -111,13 +111,14 @@ def raise_on_interrupt() -> None:
     """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 raises KeyboardInterrupt, so that ``finally`` clauses
     run (they stop the workers and tidy the run directory); another one while they run ends the process at
     once (its workers die with it: mnist_dist.parallel.spawn)."""
+    _on_stop_signals(lambda signum, frame: stop_now(signum))
 
-    def raise_interrupt(signum, frame) -> None:
-        _received.append(signum)
-        exit_on_interrupt("interrupted again: stopped at once")
-        raise KeyboardInterrupt
 
-    _on_stop_signals(raise_interrupt)
+def stop_now(signum: int) -> None:
+    """Raises KeyboardInterrupt; a signal after it ends the process at once."""
+    _received.append(signum)
+    exit_on_interrupt("interrupted again: stopped at once")
+    raise KeyboardInterrupt
 
 
 def _on_stop_signals(handler) -> None:
@@ -126,12 +127,12 @@ def _on_stop_signals(handler) -> None:
             signal.signal(signum, handler)
 
 
-def interrupted(message: str) -> NoReturn:
+def interrupted(message: str, signum: int | None = None) -> NoReturn:
     """Ends an interrupted command: ``message`` as its one line, and the status a shell gives a process
     that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
     interrupt from a failure (1)."""
     sys.stderr.write(f"{message}\n")
-    sys.exit(128 + (_received[0] if _received else signal.SIGINT))
+    sys.exit(128 + (signum or (_received[0] if _received else signal.SIGINT)))
 
 
 _status: list[int] = []  # the command's exit status, once it has one: the process then ends as _end_now says

@@ -100,3 +100,14 @@ def summary_line(info: dict) -> str:
     if info.get("gpus"):
         line += f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']}, driver {info['driver']})"
     return line
+
+
+def load_warning(load_average: float, cores: int | None = None) -> str | None:
+    """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
+    cores = cores or os.cpu_count() or 1
+    if load_average <= cores:
+        return None
+    return (
+        f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
+        "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
         hparams.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
         run.scalars.hparams(hparams, ["test/accuracy", "test/loss", "results/images_per_s"])
         log.info("results: %s", results, extra=FILE_ONLY)  # the console gets the summary
+        if busy := machine.load_warning(os.getloadavg()[0]):  # a sweep's speeds too: each run says it
+            log.warning("%s", busy)
         log.info("%s", summary_line(results))
         log.info("run directory: %s", run.run_dir.resolve())
     if dist.is_initialized():

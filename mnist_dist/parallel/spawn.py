@@ -42,8 +42,9 @@ def spawn(
 
     A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
     ``log_path.format(rank=rank)`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
-    this process's alone (the workers ignore it and get SIGTERM). ``start_method="forkserver"`` forks them from
-    one server that imported torch and ``fn``'s module once (CPU only: a fork cannot use its parent's CUDA).
+    this process's alone (the workers ignore it, get SIGTERM and are waited for).
+    ``start_method="forkserver"`` forks them from one server that imported torch and ``fn``'s module once
+    (CPU only: a fork cannot use its parent's CUDA).
     """
     store = _loopback_store(port)
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
@@ -76,6 +77,13 @@ def spawn(
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         raise WorkerFailed(_reason(error, log_path)) from error
+    except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join()  # another Ctrl-C ends this process at once, and the workers with it
+        raise
     finally:
         _stop(context.processes)  # after Ctrl-C in this process: leave no worker
         del store  # closes the listening socket

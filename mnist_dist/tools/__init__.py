@@ -52,13 +52,6 @@ def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | No
     return json.loads((run_dir / "results.json").read_text())
 
 
-def load_warning(load_average: float, cores: int | None = None) -> str | None:
-    """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
-    cores = cores or os.cpu_count() or 1
-    busy = f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' threads count too): "
-    return busy + "images/s is unreliable (loss and accuracy are not affected)" if load_average > cores else None
-
-
 def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
     """The four IDX files of small, learnable MNIST-format data in ``raw`` (class k: a bright square at spot k
     on noise), for what must train without downloading; returns ``raw``."""

@@ -30,7 +30,7 @@ if __name__ == "__main__":
 
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools import load_warning, train_in_subprocess, write_idx
+from mnist_dist.tools import train_in_subprocess, write_idx
 
 CASES = {  # overrides of `python -m mnist_dist`
     "single": [],
@@ -116,7 +116,7 @@ def run_bench(args: argparse.Namespace, chosen: list[str], skipped: dict[str, st
 def write_report(args: argparse.Namespace, name: str, table: str, samples: dict, loads: list[float]) -> str:
     """``name``.md (the machine, ``table``, a warning line if the machine was busy) and .json (the machine, the
     settings and every run's results) in ``args.out``; the text of the .md."""
-    info, warning = machine.describe(), load_warning(max(loads + [os.getloadavg()[0]]))
+    info, warning = machine.describe(), machine.load_warning(max(loads + [os.getloadavg()[0]]))
     text = f"{machine.summary_line(info)}\n\n{table}" + (f"\n{warning}\n" if warning else "")
     args.out.mkdir(parents=True, exist_ok=True)
     files.write_text(args.out / f"{name}.md", text)

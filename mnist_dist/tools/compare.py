@@ -45,7 +45,6 @@ from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
-from mnist_dist.tools import load_warning
 from mnist_dist.topology import resolve
 
 # Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means), so fp32
@@ -99,7 +98,7 @@ def warnings(report: dict, load_average: float, cores: int) -> list[str]:
     noisy = ", ".join(f"{row['mode']} {row['spread']:.0%}" for row in report["rows"] if row["spread"] > SPREAD_WARNING)
     spread = f"warning: images/s varied by more than {SPREAD_WARNING:.0%} between rounds ({noisy}): the ranking by "
     spread += "speed may be noise; rerun on an idle machine or with more repeats="
-    return [line for line in [noisy and spread, load_warning(load_average, cores)] if line]
+    return [line for line in [noisy and spread, machine.load_warning(load_average, cores)] if line]
 
 
 def markdown(report: dict) -> str:
