@@ -51,7 +51,10 @@ def remove(directory: Path) -> None:
     for parent in directory.parents:
         if not parent.is_relative_to(Path.cwd()) or parent == Path.cwd() or any(parent.iterdir()):
             break
-        parent.rmdir()
+        try:
+            parent.rmdir()
+        except OSError:  # a mount point, say: the user's, and empty is how it stays
+            break
 
 
 @contextmanager
