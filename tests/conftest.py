@@ -1,3 +1,4 @@
+import logging
 import os
 import signal
 import sys
@@ -47,6 +48,19 @@ def restore_torch_flags():
     torch.set_num_threads(saved[4])
     cudnn.allow_tf32, matmul.allow_tf32 = tf32[:2]
     cudnn.conv.fp32_precision, matmul.fp32_precision = tf32[2:]
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """Hydra's job logging, run in-process, adds handlers to loggers (a file in that run's directory): the next
+    test must not log into a directory that is gone."""
+    loggers = [logging.getLogger(), logging.getLogger("mnist_dist")]
+    saved = [(logger, logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, handlers, level, propagate in saved:
+        for handler in set(logger.handlers) - set(handlers):
+            handler.close()
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
 
 
 @pytest.fixture(scope="session")
