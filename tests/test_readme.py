@@ -137,6 +137,10 @@ def test_every_script_and_link_in_the_docs_exists():
         # Repository files named in prose, e.g. `mnist_dist/parallel/fsdp.py`: a moved file leaves none behind.
         for path in re.findall(r"`((?:mnist_dist|tests|examples|conf|docs|\.ci)/[\w./-]*)`", prose(text)):
             assert (ROOT / path).exists(), f"{page.name}: `{path}` does not exist"
+        # A test named as a guarantee's proof: a renamed or deleted one leaves the claim without its test.
+        defined = set(re.findall(r"def (test_\w+)", "".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))))
+        for name in re.findall(r"`(?:tests/test_\w+\.py::)?(test_\w+)`", text):
+            assert name in defined, f"{page.name}: `{name}` is no test"
 
 
 @pytest.mark.slow
