@@ -4,7 +4,7 @@ The tests are torch's, from the installed wheel (torch/testing/_internal/distrib
 CPU with gloo and 2 ranks. Each runs twice: with torch's DistributedDataParallel, and with ours swapped in for
 torch's in each spawned rank before the test body. Its own command, outside the fast suite:
 
-    pytest -m conformance -n 0 tests/test_torch_ddp_conformance.py
+    pytest -n 0 tests/ddp_conformance.py
 
 Of the file's DDP tests, most need CUDA devices (torch skips them here too); of those that run on CPU, the ones
 that need what ours does not claim are skipped below with the reason.
