@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mnist_dist.operations import machine
+from mnist_dist.operations import files, machine
 from mnist_dist.tools import bounded, composed, train_in_subprocess, write_idx
 
 # The module nn.DataParallel calls parallel_apply through (torch.nn.parallel exports a function of that name).
@@ -132,7 +132,7 @@ def nccl_row(device_type: str) -> Row:
 
 
 def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
-    Path(out).write_text(json.dumps(dataclasses.asdict(nccl_row(device_type))))
+    files.write_text(Path(out), json.dumps(dataclasses.asdict(nccl_row(device_type))))
 
 
 def probe(name: str, device_type: str, work: Path) -> Row:
