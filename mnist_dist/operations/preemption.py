@@ -70,6 +70,7 @@ def installed(timeout_s: float) -> Iterator[None]:
                 signal.signal(signum, on_signal)
         yield
     finally:
+        handled.append(True)  # left: a watcher still in its grace must not end a process that went on
         signal.set_wakeup_fd(wakeup)
         os.close(write_end)  # the watching thread reads the end of the pipe and ends
         for signum, handler in before.items():
