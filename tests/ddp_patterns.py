@@ -184,9 +184,14 @@ def accumulation_without_no_sync(rank, world_size, wrap):
 @pattern
 def unfreeze_after_wrap(rank, world_size, wrap):
     model = wrap(mlp(), find_unused_parameters=True)
+    return train_freezing(model, 2, {1}, rank, world_size, STEPS + 1)  # frozen for one step, then trainable
+
+
+def train_freezing(model, layer, frozen, rank, world_size, steps):
+    """``steps`` steps with ``model.module[layer]`` frozen at the steps in ``frozen``; the parameters after."""
     opt = optimizer(model)
-    for step in range(STEPS + 1):
-        model.module[2].requires_grad_(step != 1)  # frozen for one step, then trainable again
+    for step in range(steps):
+        model.module[layer].requires_grad_(step not in frozen)
         opt.zero_grad(set_to_none=True)
         x, y = data(step, rank, world_size)
         F.mse_loss(model(x), y).backward()
@@ -203,14 +208,7 @@ def small_bucket_caps(rank, world_size, wrap):
 @pattern
 def late_freezing_and_unfreezing(rank, world_size, wrap):
     model = wrap(mlp(), find_unused_parameters=True, bucket_cap_mb=400 / 2**20)
-    opt = optimizer(model)
-    for step in range(STEPS + 2):
-        model.module[0].requires_grad_(step not in (2, 3))  # frozen after the buckets were rebuilt, then back
-        opt.zero_grad(set_to_none=True)
-        x, y = data(step, rank, world_size)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return params(model)
+    return train_freezing(model, 0, {2, 3}, rank, world_size, STEPS + 2)  # frozen after the rebuild, then back
 
 
 @pattern
