@@ -105,3 +105,23 @@ def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_t
     (quoted,) = re.findall(r"\| `([^`]*SignalException[^`]*)` after a 35-line traceback", troubleshooting)
     assert re.fullmatch(re.escape(quoted).replace("<pid>", r"\d+"), lines[-1]), lines[-12:]
     assert process.returncode == 1 and "got signal: 2`" in (ROOT / "docs" / "running.md").read_text()
+
+
+def test_a_ctrl_c_just_after_the_closing_line_says_again_instead_of_repeating_it():
+    # as a finished run exits: the line is written, then one more press comes before the process is gone
+    script = """if True:
+        import os, signal, sys
+        from mnist_dist.operations.errors import exit_on_interrupt, interrupted
+        exit_on_interrupt("the run is complete")
+        class PressAfterWrite:
+            def write(self, text):
+                sys.__stderr__.write(text); sys.__stderr__.flush(); os.kill(os.getpid(), signal.SIGINT)
+            def flush(self): pass
+        sys.stderr = PressAfterWrite()
+        interrupted("the run is complete")
+    """
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        130,
+        ["the run is complete", "interrupted again: stopped at once"],
+    )

@@ -131,6 +131,7 @@ def interrupted(message: str, signum: int | None = None) -> NoReturn:
     """Ends an interrupted command: ``message`` as its one line, and the status a shell gives a process
     that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
     interrupt from a failure (1)."""
+    exit_on_interrupt("interrupted again: stopped at once")  # not the same line twice, as a finished run exits
     sys.stderr.write(f"{message}\n")
     sys.exit(128 + (signum or (_received[0] if _received else signal.SIGINT)))
 
