@@ -125,3 +125,19 @@ def test_a_ctrl_c_just_after_the_closing_line_says_again_instead_of_repeating_it
         130,
         ["the run is complete", "interrupted again: stopped at once"],
     )
+
+
+def test_a_ctrl_c_while_the_at_once_line_is_written_is_not_a_second_line():
+    script = """if True:
+        import os, signal
+        from mnist_dist.operations import errors
+        write = os.write
+        def write_then_press(fd, data):  # a second Ctrl-C lands while the first one's line is written
+            done = write(fd, data); os.kill(os.getpid(), signal.SIGINT); return done
+        os.write = write_then_press
+        errors.exit_on_interrupt("stopped")
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pause()
+    """
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert (done.returncode, done.stderr.splitlines()) == (130, ["stopped"])

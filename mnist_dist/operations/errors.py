@@ -101,6 +101,8 @@ def exit_on_interrupt(message: str = NOTHING_STARTED) -> None:
     (C code that clears the error), leaving the command running."""
 
     def leave(signum, frame) -> None:
+        for stop in STOP_SIGNALS:  # one line: a press while it is written would say it again
+            signal.signal(stop, signal.SIG_IGN)
         os.write(2, f"{message}\n".encode())  # not sys.stderr: the signal may have come in the middle of a write
         os._exit(128 + signum)
 
