@@ -80,9 +80,9 @@ def test_ddp_spawns_one_worker_per_rank(uninterrupted):
     assert_complete_run(run_dir, "ddp", 2)
     # Without a terminal, rank 0's progress is a line in the console and its log; the config is one line
     # there, the whole of it in the log (and config.yaml).
-    assert "step 4/20 (epoch 1/2): loss " in err and "step 4/20" in (run_dir / "rank_0.log").read_text()
-    assert "step 4/20" not in (run_dir / "rank_1.log").read_text()
-    assert " config: mode=ddp gpus=2 data.root=" in err and "(all of it in config.yaml)" in err
+    assert "step 4/40 (epoch 1/2): loss " in err and "step 4/40" in (run_dir / "rank_0.log").read_text()
+    assert "step 4/40" not in (run_dir / "rank_1.log").read_text()
+    assert "\nconfig: mode=ddp gpus=2 data.root=" in err and "(all of it in config.yaml)" in err
     assert "peer_wait_s: 60.0" not in err and "peer_wait_s: 60.0" in (run_dir / "rank_0.log").read_text()
 
 
