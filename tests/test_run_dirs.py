@@ -33,6 +33,7 @@ def test_a_sweep_refused_for_a_typo_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # before: outputs/multirun/<date>/<time>/multirun.yaml
 
 
+@pytest.mark.slow  # two trainings
 def test_a_sweep_over_the_data_root_keeps_both_jobs(tiny_root, tmp_path, monkeypatch, cli_in_process):
     other_root = tmp_path / "other_root"
     (other_root / "MNIST").mkdir(parents=True)
