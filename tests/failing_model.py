@@ -14,15 +14,13 @@ class FailingConvNet(ConvNet):
     """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
     by SIGKILL, with ``nan`` return NaN, with ``nan_grad`` return a finite output whose gradient is NaN
     (the loss stays finite, the step's update poisons the weights), with ``usr1`` send itself SIGUSR1
-    (as SLURM warns) and go on, or with ``stop`` stop itself (SIGSTOP: a rank that hangs).
-    ``step_seconds`` slows every step down; ``pid_dir``
+    (as SLURM warns) and go on. ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
     restarted job goes on. The environment variable ``KILL_AGENT_AT_STEP``, set for one torchrun agent's
     workers only, makes a worker SIGKILL its agent and itself at that step, as a lost node would;
-    ``INTERRUPT_AT_STEP=SIGINT:3`` has rank 0 press Ctrl-C at that step (SIGINT to its process group, as a
-    terminal does), ``SIGTERM:3`` send SIGTERM to the command alone (the group's leader), as a scheduler does
-    (set for one command only: a resume must not repeat it)."""
+    ``INTERRUPT_AT_STEP=SIGTERM:3`` has rank 0 send SIGTERM at that step to the command alone (the leader of
+    its process group), as a scheduler does (set for one command only: a resume must not repeat it)."""
 
     def __init__(
         self,
@@ -32,7 +30,6 @@ class FailingConvNet(ConvNet):
         nan: bool = False,
         nan_grad: bool = False,
         usr1: bool = False,
-        stop: bool = False,
         step_seconds: float = 0.0,
         pid_dir: str = "",
         attempt: int = -1,
@@ -40,7 +37,7 @@ class FailingConvNet(ConvNet):
     ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step, self.kill, self.nan, self.usr1 = fail_rank, fail_step, kill, nan, usr1
-        self.nan_grad, self.stop = nan_grad, stop
+        self.nan_grad = nan_grad
         self.step_seconds, self.calls = step_seconds, 0
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0))
         if attempt >= 0 and int(restarts) != attempt:
@@ -59,13 +56,10 @@ class FailingConvNet(ConvNet):
         rank = dist.get_rank() if dist.is_initialized() else 0
         name, _, at = os.environ.get("INTERRUPT_AT_STEP", ":0").partition(":")
         if rank == 0 and self.calls == int(at):  # the command's process leads the group: a test starts it so
-            signum = signal.Signals[name]
-            os.killpg(os.getpgrp(), signum) if signum == signal.SIGINT else os.kill(os.getpgrp(), signum)
+            os.kill(os.getpgrp(), signal.Signals[name])
         if rank == self.fail_rank and self.calls == self.fail_step:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.stop:
-                os.kill(os.getpid(), signal.SIGSTOP)
             if self.usr1:
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return super().forward(x)

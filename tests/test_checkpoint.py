@@ -1,6 +1,7 @@
 """What a checkpoint guarantees (docs/troubleshooting.md): it cannot run code and its config is read without resolving
 anything; no fault leaves the last good checkpoint unreadable, none holds weights that are not finite, and
-resume=auto gets past an unreadable newest one. Also: a schedule is never resumed past its plan."""
+resume=auto gets past an unreadable newest one. Also: a resume goes on with the run's own settings, and one that
+changes a setting, a schedule's length or the model, or would replace a run, is refused writing nothing."""
 
 import errno
 import io
@@ -9,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from helpers import compose_config
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import _resume, launch
+from mnist_dist.model import make_scheduler
 from mnist_dist.operations import checkpoint, compatibility, files, results
+from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.step import TrainingDiverged
 
 # 640 tiny images at batch 32: 20 steps an epoch
@@ -81,10 +85,12 @@ def test_a_save_that_fails_half_way_leaves_the_last_good_checkpoints(tmp_path, m
     path = tmp_path / "checkpoint.pt"
     for step in (1, 2):
         checkpoint.save({"step": step}, path, older=1)
+    (tmp_path / ".checkpoint.pt.killed.tmp").write_bytes(b"half")  # what a write killed by a signal leaves
     monkeypatch.setattr(files, "open", fault, raising=False)  # the temp file files.atomic opens
-    with pytest.raises(raised):
+    with pytest.raises(raised) as error:
         checkpoint.save({"step": 3, "weights": torch.zeros(10**6)}, path, older=1)
     monkeypatch.undo()
+    assert raised is KeyboardInterrupt or error.value.filename == str(path)  # what the one line names
     assert torch.load(path, weights_only=True) == {"step": 2}
     assert torch.load(tmp_path / "checkpoint.1.pt", weights_only=True) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.1.pt", "checkpoint.pt"]
@@ -240,14 +246,15 @@ def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(t
     run_dir = _copy(kept, tmp_path)
     newest = run_dir / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # what a disk that filled up under another program leaves
-    cfg = compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto")
-    with logged() as lines:
-        launch(cfg, run_dir)
+    with logged() as lines:  # no batch_size=32: a resume takes the run's own settings, not the defaults
+        launch(compose_config(tiny_root, "epochs=2", "resume=auto"), run_dir)
     (said,) = [line for line in lines if line.startswith("resume=auto")]
     assert said.startswith("resume=auto: skipped checkpoint.pt (cannot read the checkpoint (")
     assert said.endswith(f"; resuming from {run_dir}/checkpoint.1.pt (step 10)")
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 40  # steps 11 to 40 were trained
     assert saved_step(run_dir / "checkpoint.pt") == 40 and saved_step(run_dir / "checkpoint.1.pt") == 30
+    config = torch.load(run_dir / "checkpoint.pt", weights_only=True)["config"]
+    assert "batch_size: 32\n" in config and "checkpoint_every_steps: 10\n" in config and "epochs: 2\n" in config
 
 
 def test_resume_auto_with_no_readable_checkpoint_is_refused_naming_each(tiny_root, kept, tmp_path):
@@ -339,15 +346,6 @@ def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, ke
     assert "s3cret" not in str(error.value)
 
 
-def test_the_compared_fields_still_tell_a_changed_setting(tiny_root, kept, tmp_path):
-    said = ("epochs=2", "batch_size=64", f"resume={kept}")  # as the command line passes them
-    with pytest.raises(ConfigError) as error:
-        launch(compose_config(tiny_root, *SHORT, *said), tmp_path / "new", said)
-    assert str(error.value).startswith(
-        "resume: this command changes what the checkpoint was trained with (batch_size 32 -> 64)"
-    )
-
-
 # --- 7. a resume that changes the mode or the number of ranks says so -------------------------------
 
 
@@ -365,3 +363,135 @@ def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_roo
         compatibility.check_resumable(saved, cfg)
     split = ", split 2 ways" if cfg.gpus == 2 else ""
     assert [line for line in lines if line.startswith("resuming")] == [f"resuming {said}global batches follow{split}"]
+
+
+# --- 8. a resume goes on with the run's own settings, or is refused naming what differs ---------------
+
+
+def test_a_refused_resume_names_exactly_the_settings_that_differ(tiny_root, kept, tmp_path):
+    # batch_size=64 is the default: set, since the command line names it (the CLI passes its overrides)
+    overrides = ("epochs=2", "batch_size=64", "model.dropout=false", f"resume={kept}")
+    differ = r"\(model.dropout True -> False; batch_size 32 -> 64\); leave model.dropout and batch_size out to go on"
+    with pytest.raises(ConfigError, match=differ + ".*add resume_allow_changes=true"):
+        launch(compose_config(tiny_root, *overrides), tmp_path / "unused", overrides)
+    # weights that do not fit: allowing changes would not help
+    with pytest.raises(ConfigError, match=r"model._target_ mnist_dist.model.ConvNet -> .*; leave model out [^;]*$"):
+        launch(compose_config(tiny_root, "epochs=2", "model=fastnet", f"resume={kept}"), tmp_path / "unused")
+
+
+def _resume_config(tiny_root, run_dir, *overrides):
+    return compose_config(tiny_root, "epochs=2", f"resume={run_dir}", *overrides)
+
+
+def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, kept, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(kept, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    with pytest.raises(
+        ConfigError, match="^resume: the checkpoint does not fit model=mnist_dist.model.ResNet"
+    ) as error:
+        launch(_resume_config(tiny_root, run_dir, "model=resnet", "resume_allow_changes=true"), tmp_path / "new")
+    assert "\n" not in str(error.value)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_without_a_loss_scale_is_refused_with_fp16(tiny_root, kept, tmp_path):
+    with pytest.raises(ConfigError, match="the checkpoint holds no fp16 loss scale"):
+        launch(_resume_config(tiny_root, kept, "amp=fp16"), tmp_path / "unused")  # trained with amp=off
+
+
+@pytest.mark.parametrize("version", [None, 4])  # None: the first layout, which had no format key
+def test_a_checkpoint_of_another_format_is_refused_naming_it(kept, tmp_path, version):
+    state = torch.load(kept / "checkpoint.pt", weights_only=True)
+    del state["format"]
+    if version is not None:
+        state["format"] = version
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError, match=f"checkpoint format {version}, but this version of mnist_dist reads format"):
+        checkpoint.load(tmp_path / "checkpoint.pt")
+
+
+def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
+    tiny_root, kept, tmp_path, monkeypatch, cli_in_process, capsys
+):
+    from mnist_dist import __main__ as command
+
+    run = tmp_path / "run"
+    shutil.copytree(kept, run)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt  # as Ctrl-C lands in the middle of the resumed run
+
+    monkeypatch.setattr(command, "launch", interrupted)
+    code = cli_in_process(
+        f"data.root={tiny_root}", "batch_size=32", "epochs=2", f"resume={run}", f"hydra.run.dir={tmp_path}/new"
+    )
+    assert code == 130  # 128 + SIGINT: an interrupt, not a failure
+    assert capsys.readouterr().err == (
+        f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: {sys.executable} -m "
+        f"mnist_dist resume={run}\n"
+    )
+    assert not (tmp_path / "new").exists()  # the fresh directory Hydra made for the launch
+
+
+# --- 9. a fresh launch never replaces a run; a checkpoint's position is checked ----------------------
+
+
+def contents(run: Path) -> dict:
+    """What the run wrote; Hydra's own record of the latest launch (.hydra/, mnist_dist.log) is Hydra's."""
+    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.stat().st_size]
+    return {str(p.relative_to(run)): p.read_bytes() for p in written if p.relative_to(run).parts[0] not in HYDRA_OWN}
+
+
+def test_a_fresh_launch_into_a_finished_run_replaces_nothing(tiny_root, kept, tmp_path, cli_in_process):
+    run = tmp_path / "run"
+    shutil.copytree(kept, run)
+    before = contents(run)
+    code = cli_in_process(f"data.root={tiny_root}", *SHORT, "data.mirrors=[]", f"hydra.run.dir={run}")
+    assert code.startswith(f"error: {run} holds a finished run (results.json, model.pt, checkpoint.pt)")
+    assert contents(run) == before  # results, model, the one TensorBoard run
+
+
+def test_a_fresh_launch_into_an_unfinished_run_says_resume_auto(tiny_root, kept, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(kept / "checkpoint.pt", run)
+    with pytest.raises(ConfigError, match="holds an unfinished run .checkpoint.pt.*; pass resume=auto"):
+        launch(compose_config(tiny_root, "epochs=2", "batch_size=32"), run)
+
+
+@pytest.mark.parametrize("epoch_step", [21, 10**6])  # the epoch has 20 steps: 20 is a preemption at its last step
+def test_a_position_past_the_end_of_its_epoch_is_refused_and_nothing_is_written(tiny_root, kept, tmp_path, epoch_step):
+    # before: the resumed run skipped the rest of epoch 1, trained none of it and exited 0
+    run = tmp_path / "run"
+    run.mkdir()
+    state = checkpoint.load(kept / "checkpoint.1.pt")  # step 10, mid-epoch 1
+    checkpoint.save(
+        {**state, "epoch_step": epoch_step, "step": epoch_step, "format": checkpoint.FORMAT}, run / "checkpoint.pt"
+    )
+    before = contents(run)
+    with pytest.raises(
+        ConfigError, match=f"the checkpoint is {epoch_step} steps into epoch 1, which has 20 steps here"
+    ):
+        launch(compose_config(tiny_root, *SHORT, f"resume={run}"), tmp_path / "new")
+    assert contents(run) == before and not (tmp_path / "new").exists()
+
+
+# --- 10. a per-step schedule plans any number of steps ---------------------------------------------
+
+
+@pytest.mark.parametrize("total_steps", [1, 2, 3, 4, 5, 8, 10])
+@pytest.mark.parametrize("pct_start", [0.0, 0.1, 0.25, 0.5])
+def test_one_cycle_plans_any_number_of_steps(total_steps, pct_start):
+    # 0.25 x 4 steps: a warm-up that ends at step 0, which torch's OneCycleLR divides by
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    scheduler_cfg = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True, "max_lr": 0.01}
+    scheduler, per_step = make_scheduler({**scheduler_cfg, "pct_start": pct_start}, optimizer, total_steps)
+    assert per_step
+    lrs = []
+    for _ in range(total_steps):
+        optimizer.step()
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.step()
+    assert all(0 < lr <= 0.01 for lr in lrs)

@@ -1,18 +1,11 @@
-"""Rank 0's progress shows: a bar in a terminal (also one that reports no size), a log line in a pipe."""
+"""Rank 0's progress shows: a bar in a terminal (also one that reports no size: test_late_interrupts), a log line
+in a pipe (a ddp run's from the command line: test_launch)."""
 
 import json
 import logging
-import os
-import pty
-import subprocess
-import sys
-
-import pytest
 
 from mnist_dist.launch import launch
 from mnist_dist.operations.console import Progress, config_line, summary_line
-
-RUN = [sys.executable, "-m", "mnist_dist", "epochs=1", "log_every=5", "data.mirrors=[]"]
 
 
 def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_interval(caplog):
@@ -33,53 +26,6 @@ def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_inter
         "step 5/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:30",
         "step 8/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:00",
     ]
-
-
-def run_under_pty(command: list[str]) -> str:
-    """Runs ``command`` with a fresh pseudo-terminal as stdout and stderr, as ``script -c`` does: it
-    reports 0 rows and 0 columns. Returns everything written to it."""
-    leader, follower = pty.openpty()
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    assert process.wait(timeout=300) == 0, b"".join(chunks)[-2000:]
-    os.close(leader)
-    return b"".join(chunks).decode(errors="replace")
-
-
-@pytest.mark.slow
-def test_a_terminal_shows_the_bar_on_rank_0(tiny_root, tmp_path):
-    out = run_under_pty([*RUN, f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}"])
-    assert "epoch 1/1: 100%|" in out and "10/10 [" in out
-    assert "loss=" in out and "img_s=" in out
-
-
-@pytest.mark.slow
-def test_a_pipe_gets_progress_lines_in_the_console_and_the_log(tiny_root, tmp_path):
-    result = subprocess.run(
-        [*RUN, "mode=ddp", "gpus=2", f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "step 5/10 (epoch 1/1): loss " in result.stderr
-    assert "step 5/10 (epoch 1/1): loss " in (tmp_path / "rank_0.log").read_text()
-    assert "step 5/10" not in (tmp_path / "rank_1.log").read_text()
-    # The config: one console line; the whole of it in the log file (and config.yaml).
-    assert (
-        f"config: {' '.join(RUN[3:])} mode=ddp gpus=2 data.root={tiny_root} (all of it in config.yaml)" in result.stderr
-    )
-    assert "peer_wait_s: 60.0" not in result.stderr
-    assert "peer_wait_s: 60.0" in (tmp_path / "rank_0.log").read_text()
 
 
 def test_the_config_line_is_the_command_line_overrides():

@@ -1,13 +1,17 @@
-"""Ctrl-C that comes late: a second one while the first is being answered, or one as a finished run exits.
+"""Ctrl-C that comes late: a second one while the first is being answered, or one as a finished run exits (in a
+terminal, which shows rank 0's bar).
 Each is one line and the status of an interrupt, never a death by the signal with nothing said (the
 interpreter puts Ctrl-C back to its default while it tears itself down, which takes seconds with torch)."""
 
 import contextlib
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,11 +80,46 @@ def test_ctrl_c_again_after_the_interrupted_line_is_one_line_and_130(tiny_root, 
     assert said[1:] in ([], ["interrupted again: stopped at once"]), lines
 
 
+def _under_a_terminal(command: list[str], after: bytes) -> tuple[int, str]:
+    """Runs ``command`` with a fresh pseudo-terminal as stdout and stderr, as ``script -c`` does (it reports 0
+    rows and 0 columns), and once it wrote ``after`` presses Ctrl-C every 20 ms until it has exited; its status
+    and everything it wrote."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+        preexec_fn=_default_sigint,
+        start_new_session=True,
+    )
+    os.close(follower)
+    out, pressed = b"", 0.0
+    while True:
+        if after in out and time.monotonic() - pressed >= 0.02:
+            pressed = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
+        if select.select([leader], [], [], 0.02)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command and its children closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    os.close(leader)
+    return process.wait(timeout=HANG_S), out.decode(errors="replace")
+
+
 @pytest.mark.slow
 def test_ctrl_c_as_a_finished_run_exits_says_the_run_is_complete(tiny_root, tmp_path):
-    process = _start(tmp_path, tiny_root, "epochs=1")
-    code, lines = _ctrl_c_until_it_exits(process, "INFO run directory: ")  # the run's last line
-    assert code == 130 and "Traceback" not in "\n".join(lines), lines  # not -2, with nothing said
+    command = [sys.executable, "-m", "mnist_dist", f"data.root={tiny_root}", f"hydra.run.dir={tmp_path}/run"]
+    command += ["data.mirrors=[]", "batch_size=32", "epochs=1", "log_every=5"]  # progress: the default, on
+    code, out = _under_a_terminal(command, b"INFO run directory: ")  # the run's last line
+    assert "epoch 1/1: 100%|" in out and "20/20 [" in out and "loss=" in out and "img_s=" in out  # rank 0's bar
+    lines = out.replace("\r\n", "\n").splitlines()
+    assert code == 130 and "Traceback" not in out, lines  # not -2, with nothing said
     # The presses go on every 20 ms until the process is gone: on a loaded machine a second one can follow.
     said = [line for line in lines if line.startswith("interrupted")]
     assert said[0] == f"interrupted as the run ended; it is complete in {tmp_path}/run", lines

@@ -1,6 +1,10 @@
-"""The command line as users run it: spawned ranks, torchrun, a failing rank, and full-size data."""
+"""The command line as users run it: spawned ranks, torchrun, srun, a stop and the command it prints, on one
+uninterrupted ddp run that the interrupted ones must end as."""
 
 import json
+import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +13,8 @@ import pytest
 import torch
 from helpers import HANG_S, scalars, srun
 
+from mnist_dist import __main__ as command_line
+from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint
 from mnist_dist.operations.preemption import REQUEUE
 from mnist_dist.operations.tensorboard import tb_dir
@@ -17,13 +23,14 @@ ROOT = Path(__file__).parent.parent
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
 
-def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_dist"), timeout=HANG_S):
+def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_dist"), **popen):
     result = subprocess.run(
-        [*launcher, *overrides, f"hydra.run.dir={run_dir}"],
+        [*launcher, *overrides, f"hydra.run.dir='{run_dir}'"],  # quoted: a path may hold braces
         cwd=run_dir.parent,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=HANG_S,
+        **popen,
     )
     result.run_dir = run_dir
     return result
@@ -50,15 +57,16 @@ def interrupted(tiny_root) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_root, tmp_path_factory) -> subprocess.CompletedProcess:
-    """A ddp run from the command line: the run the interrupted ones must end as; also profiled
-    (profiling changes no number)."""
+    """A ddp run from the command line: the run the interrupted ones must end as; also profiled and showing
+    its progress (neither changes a number)."""
     whole = cli(
-        tmp_path_factory.mktemp("whole") / "run",
+        tmp_path_factory.mktemp("whole") / "run_{rank}",  # braces in a path are a path, not a rank's
         "mode=ddp",
         "gpus=2",
         *interrupted(tiny_root),
         "+model.fail_rank=-1",
         "profile=true",
+        "progress=true",  # in a pipe: a line with the first numbers, at step 4
     )
     assert whole.returncode == 0, whole.stderr
     return whole
@@ -66,9 +74,16 @@ def uninterrupted(tiny_root, tmp_path_factory) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_ddp_spawns_one_worker_per_rank(uninterrupted):
-    assert "no CUDA device is visible: mode=ddp runs on the CPU in 2 processes with gloo" in uninterrupted.stderr
-    assert "[rank 1]" not in uninterrupted.stderr  # rank 0 alone talks to the console
-    assert_complete_run(uninterrupted.run_dir, "ddp", 2)
+    err, run_dir = uninterrupted.stderr, uninterrupted.run_dir
+    assert "no CUDA device is visible: mode=ddp runs on the CPU in 2 processes with gloo" in err
+    assert "[rank 1]" not in err  # rank 0 alone talks to the console
+    assert_complete_run(run_dir, "ddp", 2)
+    # Without a terminal, rank 0's progress is a line in the console and its log; the config is one line
+    # there, the whole of it in the log (and config.yaml).
+    assert "step 4/40 (epoch 1/2): loss " in err and "step 4/40" in (run_dir / "rank_0.log").read_text()
+    assert "step 4/40" not in (run_dir / "rank_1.log").read_text()
+    assert "\nconfig: mode=ddp gpus=2 data.root=" in err and "(all of it in config.yaml)" in err
+    assert "peer_wait_s: 60.0" not in err and "peer_wait_s: 60.0" in (run_dir / "rank_0.log").read_text()
 
 
 @pytest.mark.slow
@@ -100,12 +115,13 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
     assert_complete_run(tmp_path / "restarted", "ddp", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["restarted"]  # rank 1 made no directory of its own
-    # srun: SIGUSR1 to rank 1 alone in step 13; both ranks stop after step 14 (its vote is read then).
-    requeued = tmp_path / "requeued"
-    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true") == [REQUEUE, REQUEUE]
+    # srun: SIGUSR1 to rank 1 alone in step 13; both ranks stop after step 14 (its vote is read then), though
+    # no step logs (log_every above the run's steps) and none checkpoints there
+    requeued, srun_job = tmp_path / "requeued", ["mode=ddp", *same, "+model.usr1=true", "log_every=1000"]
+    assert srun(requeued, *srun_job) == [REQUEUE, REQUEUE]
     state = checkpoint.load(requeued / "checkpoint.pt")
     assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 14, 14)
-    assert srun(requeued, "mode=ddp", *same, "+model.usr1=true", restarts=1) == [0, 0]
+    assert srun(requeued, *srun_job, restarts=1) == [0, 0]
     weights = [torch.load(run / "model.pt") for run in (uninterrupted.run_dir, tmp_path / "restarted", requeued)]
     for other in weights[1:]:
         assert other.keys() == weights[0].keys()
@@ -113,40 +129,36 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
 
 
 @pytest.mark.slow
-def test_a_failing_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    result = cli(
-        tmp_path / "run",
-        "mode=ddp",
-        "gpus=2",
-        f"data.root={tiny_root}",
-        *TINY,
-        "model._target_=failing_model.FailingConvNet",
-        f"+model.pid_dir={pids}",
-        "dist.timeout_s=3600",  # longer than HANG_S: only the launcher can end the job in time
+def test_a_stop_mid_epoch_saves_there_and_the_printed_command_ends_as_the_uninterrupted_run(
+    tiny_root, tmp_path, uninterrupted, monkeypatch, cli_in_process
+):
+    # SIGTERM to the command alone, as a scheduler sends it, from rank 0 in step 3 of the first epoch's 20
+    run = tmp_path / "run"
+    env = {**os.environ, "INTERRUPT_AT_STEP": "SIGTERM:3"}
+    part = cli(
+        run, "mode=ddp", "gpus=2", *interrupted(tiny_root), "+model.fail_rank=-1", env=env, start_new_session=True
     )
-    assert result.returncode == 1
-    # One line on the console: no traceback from the failed rank, nor from rank 0 losing its peer.
-    assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: rank 1 failed: RuntimeError: injected failure at step 3")
-    assert last_line.endswith("rank_1.log)")
-    assert "injected failure at step 3" in (tmp_path / "run" / "rank_1.log").read_text()
-    # The failed run keeps the logs, and nothing TensorBoard would list as a run (no tb/).
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["rank_0.log", "rank_1.log"]
-    workers = [int(p.name) for p in pids.iterdir()]
-    assert len(workers) == 2
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "orphan worker left running"
+    assert part.returncode == 128 + signal.SIGTERM and "Traceback" not in part.stderr, part.stderr
+    state = checkpoint.load(run / "checkpoint.pt")
+    assert state["epoch"] == 0 and 3 <= state["epoch_step"] < 20, part.stderr  # at a step boundary, mid-epoch
+    last = part.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: ")
+    command = shlex.split(last.split("go on with: ")[1])
+    assert command == [sys.executable, "-m", "mnist_dist", f"resume={run}"]  # this interpreter, and:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mnist_dist", *command[3:]])
+    command_line.main()  # its arguments, in this process (cli_in_process puts the signal handlers back)
+    expected, weights = torch.load(uninterrupted.run_dir / "model.pt"), torch.load(run / "model.pt")
+    assert list(weights) == list(expected)
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU fallback")
-def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(tiny_root, tmp_path):
-    result = cli(tmp_path / "run", "mode=dp_functional", "gpus=2", f"data.root={tiny_root}", *TINY)
-    assert result.returncode == 0, result.stderr
-    assert "no CUDA device is visible: mode=dp_functional runs on the CPU in one process" in result.stderr
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["world_size"] == 1
+def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(make_config, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="mnist_dist"):
+        results = launch(make_config("mode=dp_functional", "gpus=2", "epochs=1", "batch_size=32"), tmp_path)
+    assert "no CUDA device is visible: mode=dp_functional runs on the CPU in one process" in caplog.text
+    assert results["world_size"] == 1
 
 
 def test_a_torchrun_worker_checks_the_config_it_resumes_with_once(make_config, tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 from helpers import HANG_S, validate_here
-from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mnist_dist.config import ConfigError
 from mnist_dist.tools import compare
@@ -63,16 +62,3 @@ def test_a_run_directory_that_cannot_be_written_says_so(tiny_root):
     result = subprocess.run([sys.executable, "-m", "mnist_dist", *argv], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 1 and result.stderr.count("\n") == 1
     assert result.stderr.startswith("error: cannot write /proc/self/")
-
-
-@pytest.mark.parametrize("char", ["\u2014", "\u00e9"])  # an em dash, an accented letter
-def test_a_character_hydra_reads_only_quoted_is_one_line_saying_to_quote_it(tmp_path, char):
-    override = f"hydra.run.dir={tmp_path}/a{char}b"
-    result = subprocess.run(
-        [sys.executable, "-m", "mnist_dist", override], capture_output=True, text=True, timeout=HANG_S
-    )
-    assert result.returncode == 1 and result.stderr.count("\n") == 1
-    assert result.stderr.startswith(f"error: {override}: ") and "quote the value" in result.stderr
-    (parsed,) = OverridesParser.create().parse_overrides([f'hydra.run.dir="{tmp_path}/a{char}b"'])
-    assert parsed.value() == f"{tmp_path}/a{char}b"  # quoted, it is the path
-    assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,5 @@
-"""SIGTERM, SIGUSR1 or Ctrl-C while a run trains: noticed after every step, and at once before the first."""
+"""SIGTERM, SIGUSR1 or Ctrl-C while a run trains: noticed after every step, and at once before the first. (A job
+whose log_every is above its steps stops with a checkpoint too: test_launch's srun job.)"""
 
 import os
 import signal
@@ -9,9 +10,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_ranks, srun
+from helpers import run_ranks
 
-from mnist_dist.operations import checkpoint, preemption
+from mnist_dist.operations import preemption
 
 
 def test_a_signal_is_acted_on_at_the_next_step_and_the_handlers_are_put_back(one_rank):
@@ -79,13 +80,3 @@ def _stops_together(rank: int, world_size: int):
 
 def test_every_rank_stops_after_the_same_step_when_one_got_the_signal(tmp_path):
     assert run_ranks(_stops_together, 2, tmp_path) == [(6, "a signal to another rank"), (6, "SIGUSR1")]
-
-
-@pytest.mark.slow
-def test_a_job_with_log_every_above_its_steps_stops_with_a_checkpoint(tiny_root, tmp_path):
-    settings = [f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
-    settings += ["log_every=1000", "model._target_=failing_model.FailingConvNet", "+model.usr1=true"]
-    # SIGUSR1 to rank 1 alone, in step 3: the vote after step 3 carries it, read after step 4.
-    assert srun(tmp_path / "run", "mode=ddp", *settings) == [preemption.REQUEUE] * 2
-    state = checkpoint.load(tmp_path / "run" / "checkpoint.pt")
-    assert (state["epoch"], state["epoch_step"], state["step"]) == (0, 4, 4)

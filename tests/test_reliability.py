@@ -1,7 +1,5 @@
 """Bad input, faults and interruptions: never a hang, never lost data, always one clear line."""
 
-import errno
-import io
 import os
 import random
 import shutil
@@ -14,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, compose_config, run_ranks, validate_here
+from helpers import HANG_S, run_ranks
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
-from mnist_dist.operations import checkpoint, files
 from mnist_dist.parallel import DistributedDataParallel
 from mnist_dist.topology import resolve
 
-TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]
+TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
+FAILING = "model._target_=failing_model.FailingConvNet"  # misbehaves on rank 1 at step 3, as told
 RESUME = f"{sys.executable} -m mnist_dist resume="  # what an interrupted run prints to go on with, before its directory
 
 
@@ -56,88 +54,46 @@ def wait_for(condition, deadline_s: float = HANG_S, every_s: float = 0.1) -> boo
 
 def test_fewer_gpus_than_asked_is_one_line(make_config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match=r"needs 4 CUDA device\(s\) for gpus=4 but 2 are visible; use gpus=2"):
         resolve(make_config("mode=ddp", "gpus=4", "device=cuda"))
-    assert str(error.value) == (
-        "device=cuda needs 4 CUDA device(s) for gpus=4 but 2 are visible; use gpus=2 or device=cpu"
-    )
 
 
-def test_an_explicit_busy_port_is_a_clear_error(tiny_root, tmp_path):
+def test_an_explicit_busy_port_is_a_clear_error(tiny_root, tmp_path, cli_in_process):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, err = finish(start(tmp_path, "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, f"dist.port={port}"))
-    assert code == 1
-    assert err == f"error: dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one\n"
+        code = cli_in_process(
+            "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, f"dist.port={port}", f"hydra.run.dir={tmp_path}/run"
+        )
+    assert code == f"error: dist.port={port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one"
     assert not (tmp_path / "run").exists()
 
 
-def test_an_unwritable_output_directory_is_one_line(tiny_root, tmp_path):
-    (tmp_path / "file").write_text("not a directory")
-    result = subprocess.run(
-        [sys.executable, "-m", "mnist_dist", f"data.root={tiny_root}", *TINY, f"hydra.run.dir={tmp_path}/file/run"],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    assert result.returncode == 1
-    assert result.stderr.startswith("error: cannot write ") and result.stderr.count("\n") == 1
-    assert "Not a directory" in result.stderr
-
-
 @pytest.mark.slow
-def test_a_killed_rank_stops_the_job_and_is_named(tiny_root, tmp_path):
-    code, err = finish(
-        start(
-            tmp_path,
-            "mode=ddp",
-            "gpus=2",
-            f"data.root={tiny_root}",
-            *TINY,
-            "model._target_=failing_model.FailingConvNet",
-            "+model.kill=true",
-            "dist.timeout_s=3600",  # longer than HANG_S: only the launcher can end the job in time
-        )
+def test_a_killed_rank_stops_the_job_and_is_named(tiny_root, tmp_path, cli_in_process, capfd):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    settings = [f"data.root={tiny_root}", *TINY, FAILING, "+model.kill=true", f"+model.pid_dir={pids}"]
+    # dist.timeout_s longer than HANG_S: only the launcher can end the job in time
+    last = cli_in_process("mode=ddp", "gpus=2", *settings, "dist.timeout_s=3600", f"hydra.run.dir={tmp_path}/run")
+    # One line on the console: no traceback, nor an error of rank 0 losing its peer.
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ERROR" not in err, err
+    assert last.startswith("error: rank 1 failed: killed by SIGKILL") and last.endswith(
+        f"(log: {tmp_path}/run/rank_1.log)"
     )
-    assert code == 1
-    assert err.strip().splitlines()[-1].startswith("error: rank 1 failed: killed by SIGKILL")
+    # The failed run keeps the logs, and nothing TensorBoard would list as a run (no tb/).
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["rank_0.log", "rank_1.log"]
+    _workers_gone(pids)
 
 
-@pytest.mark.slow
-def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path):
-    code, err = finish(
-        start(
-            tmp_path,
-            f"data.root={tiny_root}",
-            *TINY,
-            "epochs=1",
-            "log_every=5",
-            "model._target_=failing_model.FailingConvNet",
-            "+model.fail_rank=0",
-            "+model.nan=true",
-        )
+def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path, cli_in_process):
+    failing = [FAILING, "+model.fail_rank=0", "+model.nan=true"]
+    code = cli_in_process(
+        f"data.root={tiny_root}", *TINY, "epochs=1", "log_every=5", *failing, f"hydra.run.dir={tmp_path}/run"
     )
-    assert code == 1
-    assert err.strip().splitlines()[-1] == (
-        "error: the training loss is nan at step 3 (rank 0); lower optim.lr or check the data (no checkpoint was "
-        "written before it)"
-    )
-
-
-def _interruptible(tiny_root, pids: Path) -> list[str]:
-    # 640 images at batch 32 = 20 steps an epoch; slow each step down so the signal lands mid-run.
-    return [
-        "mode=ddp",
-        "gpus=2",
-        f"data.root={tiny_root}",
-        *TINY,
-        "model._target_=failing_model.FailingConvNet",
-        "+model.fail_rank=-1",
-        "+model.step_seconds=0.05",
-        f"+model.pid_dir={pids}",
-    ]
+    assert code.startswith("error: the training loss is nan at step 3 (rank 0); lower optim.lr") and "\n" not in code
 
 
 def _workers_gone(pids: Path) -> None:
@@ -160,11 +116,12 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
     """Ctrl-C as a terminal sends it: to the launcher, the forkserver and every worker at once."""
     pids = tmp_path / "pids"
     pids.mkdir()
+    # slow steps, so that the signal lands mid-run
+    slow = [FAILING, "+model.fail_rank=-1", "+model.step_seconds=0.05", f"+model.pid_dir={pids}", "epochs=50"]
+    ddp = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY]
     # A session of its own, as a terminal's foreground job; SIGINT not ignored, as from a terminal (a suite
     # started in the background, `pytest &`, has it ignored, and a process inherits that through exec).
-    process = start(
-        tmp_path, *_interruptible(tiny_root, pids), "epochs=50", preexec_fn=_default_sigint, start_new_session=True
-    )
+    process = start(tmp_path, *ddp, *slow, preexec_fn=_default_sigint, start_new_session=True)
     if moment:
         time.sleep(random.Random(moment).uniform(0.3, 15.0))
     else:
@@ -182,7 +139,9 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
 
 
 def soak(rank, world_size, steps):
-    """Memory, file descriptors and threads of one rank after warm-up and after many more steps."""
+    """Memory, file descriptors and threads of one rank after warm-up and after many more steps; rank 0 adds
+    the addresses the job's processes listen on."""
+    listening = _listeners_of_job(rank, world_size)
     torch.manual_seed(0)
     model = DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), bucket_cap_mb=0.001
@@ -200,12 +159,19 @@ def soak(rank, world_size, steps):
         optimizer.step()
         if step in (50, steps - 1):
             samples.append(usage())
-    return samples
+    return samples, listening
+
+
+@pytest.fixture(scope="module")
+def soaked(tmp_path_factory) -> list:
+    """soak's samples and listening addresses, by rank, of one job of two spawned ranks."""
+    return run_ranks(soak, 2, tmp_path_factory.mktemp("soak"), 400)
 
 
 @pytest.mark.slow
-def test_soak_three_ranks_leak_nothing(tmp_path):
-    for (rss_early, fds_early, threads_early), (rss_late, fds_late, threads_late) in run_ranks(soak, 3, tmp_path, 400):
+def test_soak_two_ranks_leak_nothing(soaked):
+    for samples, _ in soaked:
+        (rss_early, fds_early, threads_early), (rss_late, fds_late, threads_late) = samples
         assert rss_late - rss_early < 2048, "resident memory grew by more than 2 MiB"  # kB
         assert fds_late == fds_early and threads_late == threads_early
 
@@ -244,8 +210,8 @@ def _is_loopback(address: str) -> bool:
 
 
 @pytest.mark.slow
-def test_a_spawned_job_listens_on_loopback_only(tmp_path):
-    addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
+def test_a_spawned_job_listens_on_loopback_only(soaked):
+    addresses = soaked[0][1]
     assert addresses, "found no listening socket at all: the check would prove nothing"
     assert [a for a in addresses if not _is_loopback(a)] == []
 
@@ -259,27 +225,25 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_workers_die_with_a_killed_launcher(tiny_root, tmp_path):
+def test_a_live_runs_directory_is_refused_and_its_workers_die_with_a_killed_launcher(
+    tiny_root, tmp_path, cli_in_process
+):
     pids = tmp_path / "pids"
     pids.mkdir()
-    process = start(
-        tmp_path,
-        "mode=ddp",
-        "gpus=2",
-        f"data.root={tiny_root}",
-        *TINY,
-        "epochs=50",
-        "model._target_=failing_model.FailingConvNet",
-        "+model.fail_rank=-1",
-        "+model.step_seconds=0.5",  # 1,000 steps: an orphan would train for more than HANG_S
-        f"+model.pid_dir={pids}",
-    )
-    assert wait_for(lambda: len(list(pids.iterdir())) == 2)
-    workers = [int(p.name) for p in pids.iterdir()]
-    servers = _children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
-    assert len(servers) == 1
-    process.kill()
-    process.wait()
+    # 1,000 steps of 0.5 s: an orphan would train for more than HANG_S
+    slow = [FAILING, "+model.fail_rank=-1", "+model.step_seconds=0.5", f"+model.pid_dir={pids}", "epochs=50"]
+    process = start(tmp_path, "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, *slow)
+    try:
+        assert wait_for(lambda: len(list(pids.iterdir())) == 2)
+        code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={tmp_path}/run")
+        assert code.startswith(f"error: {tmp_path}/run is in use by another run that is still alive; wait for it")
+        assert process.poll() is None and not (tmp_path / "run" / "results.json").exists()
+        workers = [int(p.name) for p in pids.iterdir()]
+        servers = _children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
+        assert len(servers) == 1
+    finally:
+        process.kill()
+        process.wait()
     assert wait_for(lambda: not [pid for pid in workers + servers if _alive(pid)])
 
 
@@ -297,113 +261,15 @@ def _children(parent: int, command_part: str) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_root, tmp_path_factory) -> Path:
-    """A run directory after one epoch of single mode on the tiny data (do not modify it)."""
-    run_dir = tmp_path_factory.mktemp("trained")
-    launch(compose_config(tiny_root, "epochs=1", "batch_size=32"), run_dir)
-    return run_dir
-
-
-def _resume_config(tiny_root, run_dir, *overrides):
-    return compose_config(tiny_root, "epochs=2", "batch_size=32", f"resume={run_dir}", *overrides)
-
-
-def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, trained, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    with pytest.raises(ConfigError) as error:
-        launch(_resume_config(tiny_root, run_dir, "model=resnet", "resume_allow_changes=true"), tmp_path / "new")
-    assert str(error.value).startswith(
-        "resume: the checkpoint does not fit model=mnist_dist.model.ResNet with optim=torch.optim.Adadelta "
-        "(RuntimeError: "
-    )
-    assert "\n" not in str(error.value)
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
-    assert not (tmp_path / "new").exists()
-
-
-def test_a_checkpoint_without_a_loss_scale_is_refused_with_fp16(tiny_root, trained, tmp_path):
-    with pytest.raises(ConfigError) as error:
-        launch(_resume_config(tiny_root, trained, "amp=fp16"), tmp_path / "unused")  # trained with amp=off
-    assert str(error.value) == (
-        "resume: the checkpoint holds no fp16 loss scale (written with amp=off or bf16); resume with the amp "
-        "it was trained with"
-    )
-
-
-@pytest.mark.parametrize("version", [None, 4])  # None: the first layout, which had no format key
-def test_a_checkpoint_of_another_format_is_refused_naming_it(trained, tmp_path, version):
-    state = torch.load(trained / "checkpoint.pt", weights_only=True)
-    del state["format"]
-    if version is not None:
-        state["format"] = version
-    torch.save(state, tmp_path / "checkpoint.pt")
-    with pytest.raises(ConfigError) as error:
-        checkpoint.load(tmp_path / "checkpoint.pt")
-    assert str(error.value) == (
-        f"resume={tmp_path}/checkpoint.pt: checkpoint format {version}, but this version of mnist_dist reads "
-        f"format {checkpoint.FORMAT} only; resume it with the version that wrote it"
-    )
-
-
-@pytest.mark.slow
-def test_a_directory_a_live_run_writes_to_is_refused(tiny_root, tmp_path):
-    first = start(
-        tmp_path,
-        f"data.root={tiny_root}",
-        *TINY,
-        "epochs=50",
-        "model._target_=failing_model.FailingConvNet",
-        "+model.fail_rank=-1",
-        "+model.step_seconds=0.05",
-    )
-    try:
-        assert wait_for((tmp_path / "run" / "rank_0.log").exists)
-        code, err = finish(start(tmp_path, f"data.root={tiny_root}", *TINY, "epochs=1"))
-        assert code == 1
-        assert err == (
-            f"error: {tmp_path}/run is in use by another run that is still alive; wait for it, or pass another "
-            "hydra.run.dir\n"
-        )
-        assert first.poll() is None and not (tmp_path / "run" / "results.json").exists()
-    finally:
-        first.kill()
-        first.wait()
-
-
-def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path):
-    code, err = finish(
-        start(
-            tmp_path,
-            f"data.root={tiny_root}",
-            *TINY,
-            "model._target_=failing_model.FailingConvNet",
-            "+model.fail_rank=0",
-        )
-    )
-    assert code == 1 and "Traceback" not in err and "Error executing job" not in err
-    assert err.splitlines()[-1] == f"error: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
+def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path, cli_in_process, capfd):
+    failing = [FAILING, "+model.fail_rank=0"]
+    code = cli_in_process(f"data.root={tiny_root}", *TINY, *failing, f"hydra.run.dir={tmp_path}/run")
+    assert code == f"error: RuntimeError: injected failure at step 3 (log: {tmp_path}/run/rank_0.log)"
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error executing job" not in err
     assert "Traceback" in (tmp_path / "run" / "rank_0.log").read_text()
     # The failed run keeps the log its line names, and nothing TensorBoard would list as a run.
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["rank_0.log"]
-
-
-def test_a_checkpoint_save_on_a_full_disk_names_the_path_and_cleans_up(tmp_path, monkeypatch):
-    stale = tmp_path / ".checkpoint.pt.killed.tmp"  # what a write killed by a signal leaves
-    stale.write_bytes(b"half")
-
-    class Full(io.FileIO):
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(files, "open", Full, raising=False)  # the temp file files.atomic opens
-    with pytest.raises(OSError) as error:
-        checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
-    monkeypatch.undo()
-    assert (error.value.errno, error.value.filename) == (errno.ENOSPC, str(tmp_path / "checkpoint.pt"))
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture
@@ -418,48 +284,25 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, mode):
+def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, cli_in_process, capfd):
     run = small_disk / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mnist_dist", f"mode={mode}", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1"]
-        + [f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    code, err = finish(process)
-    assert code == 1 and "Traceback" not in err and "enforce fail" not in err, err
-    assert "No space left on device" in err.splitlines()[-1] and f"{run}/checkpoint.pt" in err.splitlines()[-1]
+    code = cli_in_process("mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "enforce fail" not in err, err
+    assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
     # No half-written file stays, nor the run, which has nothing to resume from: only the logs a rank's
-    # error line names (ddp), the disk space freed.
-    left = sorted(p.name for p in run.iterdir()) if run.exists() else []
-    assert left == ([] if mode == "single" else ["rank_0.log", "rank_1.log"])
+    # error line names, the disk space freed; a single process leaves nothing.
+    assert sorted(p.name for p in run.iterdir()) == ["rank_0.log", "rank_1.log"]
+    shutil.rmtree(run)
+    code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
+    assert not run.exists()
 
 
 def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match=r"batch_size=1024 is larger than the training set \(640 images\)"):
         launch(make_config("batch_size=1024", "epochs=1"), tmp_path)
-    assert str(error.value) == (
-        "batch_size=1024 is larger than the training set (640 images): no step would run; use batch_size=640 or less"
-    )
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("optim.lr=nan", "optim.lr=nan must be a finite positive number"),
-        ("optim.lr=inf", "optim.lr=inf must be a finite positive number"),
-        ("dist.timeout_s=0", "dist.timeout_s=0 must be from 1 to 604800 (seconds: a week)"),
-        ("dist.timeout_s=-5", "dist.timeout_s=-5 must be from 1 to 604800 (seconds: a week)"),
-    ],
-)
-def test_non_finite_rates_and_timeouts_are_refused(make_config, override, message):
-    with pytest.raises(ConfigError) as error:
-        validate_here(make_config(override))
-    assert str(error.value) == message
 
 
 def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, monkeypatch):
@@ -530,75 +373,29 @@ def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_ro
 
 @pytest.mark.slow
 def test_a_torchrun_worker_dies_with_its_agent(tiny_root, tmp_path):
-    port = _free_port()
-    pids = [tmp_path / f"pids{n}" for n in range(2)]
-    for folder in pids:
-        folder.mkdir()
-    settings = [f"data.root={tiny_root}", *TINY, "epochs=50", "dist.timeout_s=30"]
-    # 1,000 steps of 0.5 s: an orphan would train for longer than HANG_S
-    settings += ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.5"]
-    nodes = [_node(n, tmp_path / f"node{n}", port, *settings, f"+model.pid_dir={pids[n]}") for n in range(2)]
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "mnist_dist", "mode=ddp"]
+        + [f"data.root={tiny_root}", *TINY, "epochs=50", "device=cpu", f"hydra.run.dir={tmp_path}/run"]
+        # 1,000 steps of 0.5 s: an orphan would train for longer than HANG_S
+        + ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.5"]
+        + [f"+model.pid_dir={pids}"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        assert wait_for(lambda: all(list(folder.iterdir()) for folder in pids))
-        (worker,) = [int(p.name) for p in pids[1].iterdir()]
-        nodes[1].kill()  # node 1's agent
-        nodes[1].wait()
-        assert wait_for(lambda: not _alive(worker))
-        nodes[0].communicate(timeout=HANG_S)  # and the other node stops instead of waiting for good
-        assert nodes[0].returncode != 0
+        assert wait_for(lambda: len(list(pids.iterdir())) == 2)
+        agent.kill()
+        agent.wait()
+        _workers_gone(pids)
     finally:
-        for node in nodes:
-            node.kill()
-            node.wait()
+        agent.kill()
+        agent.wait()
 
 
 # --- round 3 (issue 25): what a failed or interrupted run leaves, and says -----------------------
-
-
-@pytest.mark.parametrize(
-    "model, line",
-    [
-        ("model._target_=no_such_package.Net", "error: model._target_=no_such_package.Net cannot be imported"),
-        ("model._target_=torch.nn.Flatten", "error: model._target_=torch.nn.Flatten takes no argument 'dropout'"),
-    ],
-    ids=["import error", "constructor error"],
-)
-def test_a_run_whose_model_does_not_build_leaves_nothing(tiny_root, tmp_path, cli_in_process, model, line):
-    code = cli_in_process(f"data.root={tiny_root}", *TINY, model, f"hydra.run.dir={tmp_path}/run")
-    assert code.startswith(line) and "\n" not in code
-    assert not (tmp_path / "run").exists()  # no config.yaml, rank_0.log or tb/: no run in TensorBoard
-
-
-def test_a_directory_that_held_files_is_left_as_it_was_after_a_failure(tiny_root, tmp_path, cli_in_process):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "notes.txt").write_text("mine")
-    code = cli_in_process(
-        f"data.root={tiny_root}", *TINY, "model._target_=no_such.Net", f"hydra.run.dir={tmp_path}/run"
-    )
-    assert code.startswith("error: model._target_=no_such.Net cannot be imported")
-    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
-
-
-def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
-    tiny_root, trained, tmp_path, monkeypatch, cli_in_process, capsys
-):
-    from mnist_dist import __main__ as command
-
-    run = tmp_path / "run"
-    shutil.copytree(trained, run)
-
-    def interrupted(*args):
-        raise KeyboardInterrupt  # as Ctrl-C lands in the middle of the resumed run
-
-    monkeypatch.setattr(command, "launch", interrupted)
-    code = cli_in_process(
-        f"data.root={tiny_root}", "batch_size=32", "epochs=2", f"resume={run}", f"hydra.run.dir={tmp_path}/new"
-    )
-    assert code == 130  # 128 + SIGINT: an interrupt, not a failure
-    assert capsys.readouterr().err == (
-        f"interrupted; the last complete checkpoint is {run}/checkpoint.pt; go on with: {RESUME}{run}\n"
-    )
-    assert not (tmp_path / "new").exists()  # the fresh directory Hydra made for the launch
 
 
 def test_an_interrupt_before_the_first_checkpoint_says_nothing_was_saved_and_leaves_nothing(
@@ -643,19 +440,12 @@ SLOW_MODEL = ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-
             signal.SIGTERM,
             "interrupted; the checks did not finish",
         ),
-        (
-            ["mnist_dist.tools.bench", "--cases=single,ddp", "--repeats=2", "--steps=6", "--warmup=2"],
-            "round 1/2 single:",
-            signal.SIGINT,
-            "interrupted; no report written",
-        ),
     ],
-    ids=["compare", "check", "bench"],
+    ids=["compare", "check"],
 )
 def test_the_tools_end_an_interrupt_with_one_line(tiny_root, tmp_path, command, started, signum, last):
-    settings = [f"data.root={tiny_root}", *TINY, *SLOW_MODEL] if "bench" not in command[0] else []
     process = subprocess.Popen(
-        [sys.executable, "-m", *command, *settings],
+        [sys.executable, "-m", *command, f"data.root={tiny_root}", *TINY, *SLOW_MODEL],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
