@@ -15,11 +15,13 @@ from helpers import HANG_S, compose_config, scalars
 from mnist_dist.launch import _resume, launch
 from mnist_dist.model import ConvNet
 from mnist_dist.operations import checkpoint, compatibility
+from mnist_dist.tools import write_idx
 
 # 48 images per step divide among 1, 2 and 3 ranks; SGD and no dropout: nothing depends on the ranks. Momentum:
 # optimizer state to shard (fsdp) and to resume; rounding stays at its own size (see REFERENCE.md).
 JOB = ("epochs=2", "batch_size=48", "optim=sgd", "optim.lr=0.05", "optim.momentum=0.9", "model.dropout=false")
-JOB += ("log_every=1", "checkpoint_every_steps=5", "keep_checkpoints=7")  # 13 steps an epoch: saved at 5, 10, 13, ...
+# 288 images: 6 steps an epoch, saved at 4, 6, 8 and 12; checkpoint.3.pt is step 4, mid-epoch 1
+JOB += ("log_every=1", "checkpoint_every_steps=4", "keep_checkpoints=4")
 RUNS = {
     "single": (),
     "ddp": ("mode=ddp", "gpus=2"),
@@ -28,9 +30,17 @@ RUNS = {
 }
 
 
-def train(tiny_root, run_dir, *overrides):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A data.root with few images: a run's time is mostly its images' forward and backward passes."""
+    data = tmp_path_factory.mktemp("data")
+    write_idx(data / "MNIST" / "raw", n_train=288, n_test=50)
+    return data
+
+
+def train(root, run_dir, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(compose_config(tiny_root, *JOB, *overrides), run_dir)
+    launch(compose_config(root, *JOB, *overrides), run_dir)
     return torch.load(run_dir / "model.pt")
 
 
@@ -45,18 +55,18 @@ def losses(run_dir) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_root, tmp_path_factory):
+def runs(root, tmp_path_factory):
     """The job uninterrupted, each mode in its own directory, every checkpoint kept."""
     out = tmp_path_factory.mktemp("world_size")
     for name, overrides in RUNS.items():
-        train(tiny_root, out / name, *overrides)
+        train(root, out / name, *overrides)
     return out
 
 
 @pytest.mark.slow
 def test_the_same_job_gives_one_processs_curve_and_weights_on_several_ranks(runs):
     single, weights = losses(runs / "single"), torch.load(runs / "single" / "model.pt")
-    assert len(single) == 26 and single[-1] < 0.5 * single[0]
+    assert len(single) == 12
     torch.manual_seed(1)  # the config's seed: the weights every mode starts from
     start = ConvNet(dropout=False).state_dict()
     assert (weights["classifier.3.weight"] - start["classifier.3.weight"]).abs().max() > 1e-3  # it trained
@@ -64,7 +74,7 @@ def test_the_same_job_gives_one_processs_curve_and_weights_on_several_ranks(runs
         torch.testing.assert_close(losses(runs / mode), single, rtol=0, atol=1e-5, msg=mode)
         assert_close_weights(torch.load(runs / mode / "model.pt"), weights)  # fsdp's: full tensors, plain keys
     saved = torch.load(runs / "fsdp" / "checkpoint.pt", weights_only=True)
-    assert saved["step"] == 26 and set(saved["optimizer"]["state"]) == set(weights)  # full, by parameter name
+    assert saved["step"] == 12 and set(saved["optimizer"]["state"]) == set(weights)  # full, by parameter name
 
 
 @pytest.mark.slow
@@ -88,15 +98,16 @@ def test_fsdp_holds_a_shard_of_the_state_per_rank(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,ranks", [("ddp", 2), ("fsdp", 2), ("ddp", 3), ("fsdp", 3)])
-def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(tiny_root, runs, tmp_path, mode, ranks):
-    saved = runs / mode / "checkpoint.5.pt"
+# ddp on 2 ranks, bit for bit (dropout on, restarted by torchrun and requeued by SLURM): test_launch.py
+@pytest.mark.parametrize("mode,ranks", [("fsdp", 2), ("ddp", 3), ("fsdp", 3)])
+def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(root, runs, tmp_path, mode, ranks):
+    saved = runs / mode / "checkpoint.3.pt"
     state = checkpoint.load(saved)
-    assert (state["world_size"], state["epoch"], state["epoch_step"], state["step"]) == (2, 0, 10, 10)
+    assert (state["world_size"], state["epoch"], state["epoch_step"], state["step"]) == (2, 0, 4, 4)
     (tmp_path / "run").mkdir()
     shutil.copyfile(saved, tmp_path / "run" / "checkpoint.pt")
-    resumed = train(tiny_root, tmp_path / "run", f"mode={mode}", f"gpus={ranks}", "resume=auto")
-    whole, part = losses(runs / mode)[10:], losses(tmp_path / "run")  # steps 11 to 26
+    resumed = train(root, tmp_path / "run", f"mode={mode}", f"gpus={ranks}", "resume=auto")
+    whole, part = losses(runs / mode)[4:], losses(tmp_path / "run")  # steps 5 to 12
     if ranks == 2:  # where it was written: bit for bit
         assert torch.equal(part, whole)
         assert all(torch.equal(value, resumed[key]) for key, value in torch.load(runs / mode / "model.pt").items())
@@ -110,38 +121,38 @@ def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(tiny_root, runs, 
 
 
 @pytest.mark.slow
-def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(tiny_root, runs, caplog):
+def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(root, runs, caplog):
     mnist_dist_log = logging.getLogger("mnist_dist")
     mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
     try:
         with caplog.at_level(logging.INFO, logger="mnist_dist"):
-            compatibility.check_resumable(*_resumed(tiny_root, runs, "epochs=3", "gpus=3"))
+            compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "gpus=3"))
     finally:
         mnist_dist_log.propagate = before
     assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
     with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
-        compatibility.check_resumable(*_resumed(tiny_root, runs, "epochs=3", "batch_size=24"))
+        compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "batch_size=24"))
 
 
-def _resumed(tiny_root, runs, *overrides) -> tuple:
-    cfg, _, saved = _resume(compose_config(tiny_root, *JOB, f"resume={runs / 'ddp'}", *overrides), runs, ())
+def _resumed(root, runs, *overrides) -> tuple:
+    cfg, _, saved = _resume(compose_config(root, *JOB, f"resume={runs / 'ddp'}", *overrides), runs, ())
     return saved, cfg
 
 
 @pytest.mark.slow
-def test_a_torchrun_worker_goes_on_at_the_world_size_torchrun_gives_it(tiny_root, runs, tmp_path):
+def test_a_torchrun_worker_goes_on_at_the_world_size_torchrun_gives_it(root, runs, tmp_path):
     """What an elastic job's node that is left does (torchrun restarts its worker in a world of one): the 2-rank
     checkpoint resumed on 1 rank, whatever gpus the checkpoint says, ends as the uninterrupted 2-rank run."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    shutil.copyfile(runs / "ddp" / "checkpoint.5.pt", run_dir / "checkpoint.pt")
+    shutil.copyfile(runs / "ddp" / "checkpoint.3.pt", run_dir / "checkpoint.pt")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    command = [*torchrun, "-m", "mnist_dist", "mode=ddp", "resume=auto", f"data.root={tiny_root}", "data.mirrors=[]"]
+    command = [*torchrun, "-m", "mnist_dist", "mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]"]
     command += ["progress=false", f"hydra.run.dir={run_dir}"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     results = json.loads((run_dir / "results.json").read_text())
-    assert (results["world_size"], results["steps"]) == (1, 26)
+    assert (results["world_size"], results["steps"]) == (1, 12)
     assert "resuming on 1 ranks a checkpoint written on 2" in result.stderr
     assert "\ngpus: 1\n" in (run_dir / "config.yaml").read_text()  # what ran, not the checkpoint's gpus=2
     assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(runs / "ddp" / "model.pt"))
