@@ -14,11 +14,8 @@ from mnist_dist.parallel import DistributedDataParallel, WorkerFailed, spawn
 
 SCRIPT = Path(__file__).parent / "uneven_script.py"
 WAIT_S = 2  # the jobs' peer_wait_s: the default minute would be most of this file's time
-CAUSE = (
-    f"rank 1 waited {WAIT_S} s for the other ranks in the all-reduce of its backward pass 4, and they never joined "
-    "it: the ranks ran different numbers of steps (a data set that does not split evenly?), or one is stuck. Give "
-    "every rank the same number of batches, or train inside `with model.join():`"
-)
+# the key phrases of the line: who waited, for what, how long, and what to do
+CAUSE = (f"rank 1 waited {WAIT_S} s for the other ranks in the all-reduce of its backward pass 4", "model.join()")
 
 
 def test_a_user_who_sets_no_wait_gets_a_minute_from_the_wrapper_and_the_app(make_config):
@@ -31,7 +28,8 @@ def test_an_extra_step_on_one_rank_ends_in_one_line_under_our_launcher():
     # what uneven_script.py exits with under our launcher: "error: " and this line
     with pytest.raises(WorkerFailed) as failed:
         spawn(worker, 2, 1, WAIT_S, start_method="forkserver")
-    assert str(failed.value) == f"rank 1 failed: RuntimeError: {CAUSE}"
+    line = str(failed.value)
+    assert line.startswith(f"rank 1 failed: RuntimeError: {CAUSE[0]}") and CAUSE[1] in line and "\n" not in line
 
 
 @pytest.mark.slow
@@ -40,4 +38,4 @@ def test_an_extra_step_on_one_rank_ends_in_one_line_under_torchrun(tmp_path):
     command = [*torchrun, str(SCRIPT), "1", str(WAIT_S)]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode != 0
-    assert f"RuntimeError: {CAUSE}" in result.stderr  # in the rank's traceback, before torchrun's summary
+    assert f"RuntimeError: {CAUSE[0]}" in result.stderr  # in the rank's traceback, before torchrun's summary

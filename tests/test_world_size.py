@@ -129,7 +129,7 @@ def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused
             compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "gpus=3"))
     finally:
         mnist_dist_log.propagate = before
-    assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
+    assert "resuming on 3 ranks a checkpoint written on 2" in caplog.text
     with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
         compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "batch_size=24"))
 
