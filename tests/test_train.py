@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
-from helpers import events, scalars
+from helpers import compose_config, events, scalars
 
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
+from mnist_dist.tools import write_idx
 
 RANK_TAGS = {"train/loss", "perf/images_per_s"}  # written by rank 0 for every rank r as rank_<r>/<tag>
 RUN_TAGS = {
@@ -33,32 +34,37 @@ def run(make_config, run_dir, *overrides):
     return json.loads((run_dir / "results.json").read_text())
 
 
-def test_single_run_learns_and_writes_everything(make_config, tmp_path):
-    results = run(make_config, tmp_path, "epochs=3", "log_every=2", "warmup_steps=2")
+def test_single_run_learns_and_writes_everything(tmp_path):
+    # 320 training images: 5 steps an epoch (a run's time is mostly its images' passes)
+    root = write_idx(tmp_path / "data" / "MNIST" / "raw", n_train=320, n_test=100).parents[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launch(compose_config(root, "epochs=3", "log_every=1", "warmup_steps=2"), run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
     assert results["mode"] == "single" and results["world_size"] == 1 and results["device"] == "cpu"
     assert (results["epochs"], results["batch_size"]) == (3, 64)
     assert results["test_accuracy"] >= 0.9 and results["train_images_per_s"] > 0
     assert results["wall_time_s"] > 0 and results["test_loss"] < 1.0
-    tb = scalars(tmp_path)
+    tb = scalars(run_dir)
     assert set(tb) == RUN_TAGS | rank_tags(1)
-    assert len(tb["rank_0/train/loss"]) == 15  # 3 epochs x 10 steps, every 2nd step
+    assert len(tb["rank_0/train/loss"]) == 15  # 3 epochs x 5 steps
     assert tb["rank_0/train/loss"][-1] < 0.5 * tb["rank_0/train/loss"][0]
     assert tb["rank_0/train/loss"] == tb["train/loss_global"]  # one rank: the global mean is its own
     assert tb["test/accuracy"][-1] == results["test_accuracy"]
     assert tb["train/lr"][0] == 1.0 and tb["train/lr"][-1] == pytest.approx(0.49)  # StepLR 0.7 twice
     assert tb["results/images_per_s"] == [pytest.approx(results["train_images_per_s"])]
-    assert set(events(tmp_path).PluginTagToContent("hparams")) == {
+    assert set(events(run_dir).PluginTagToContent("hparams")) == {
         "_hparams_/experiment",
         "_hparams_/session_start_info",
         "_hparams_/session_end_info",
     }
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert (checkpoint["epoch"], checkpoint["step"]) == (3, 30)
-    final = torch.load(tmp_path / "model.pt")
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert (checkpoint["epoch"], checkpoint["step"]) == (3, 15)
+    final = torch.load(run_dir / "model.pt")
     assert all(torch.equal(final[k], checkpoint["model"][k]) for k in final)
     ConvNet().load_state_dict(final)  # no "module." prefix to strip
-    assert "epoch 3: test loss" in (tmp_path / "rank_0.log").read_text()
-    assert "batch_size: 64" in (tmp_path / "config.yaml").read_text()
+    assert "epoch 3: test loss" in (run_dir / "rank_0.log").read_text()
+    assert "batch_size: 64" in (run_dir / "config.yaml").read_text()
 
 
 def test_a_profiled_step_names_its_forward_backward_and_optimizer(make_config, tmp_path):
