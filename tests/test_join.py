@@ -12,6 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.parallel import DistributedDataParallel
 
+# spawned ranks: out of `-m "not slow"`, which keeps test_ddp.py's one job of our DDP against one process
+pytestmark = pytest.mark.slow
+
 
 class Net(nn.Module):
     """BatchNorm (buffers) and a branch used on some steps only (unused parameters)."""
