@@ -28,19 +28,17 @@ def rank_tags(world_size: int) -> set[str]:
     return {f"rank_{r}/{tag}" for r in range(world_size) for tag in RANK_TAGS}
 
 
-def run(make_config, run_dir, *overrides):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    launch(make_config(*overrides), run_dir)
-    return json.loads((run_dir / "results.json").read_text())
+def run(tmp_path, n_train, *overrides):
+    """A single run on ``n_train`` images (a run's time is mostly its images' passes): its directory and results."""
+    root = write_idx(tmp_path / "data" / "MNIST" / "raw", n_train=n_train, n_test=100).parents[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launch(compose_config(root, *overrides), run_dir)
+    return run_dir, json.loads((run_dir / "results.json").read_text())
 
 
 def test_single_run_learns_and_writes_everything(tmp_path):
-    # 320 training images: 5 steps an epoch (a run's time is mostly its images' passes)
-    root = write_idx(tmp_path / "data" / "MNIST" / "raw", n_train=320, n_test=100).parents[1]
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    launch(compose_config(root, "epochs=3", "log_every=1", "warmup_steps=2"), run_dir)
-    results = json.loads((run_dir / "results.json").read_text())
+    run_dir, results = run(tmp_path, 320, "epochs=3", "log_every=1", "warmup_steps=2")  # 5 steps an epoch
     assert results["mode"] == "single" and results["world_size"] == 1 and results["device"] == "cpu"
     assert (results["epochs"], results["batch_size"]) == (3, 64)
     assert results["test_accuracy"] >= 0.9 and results["train_images_per_s"] > 0
@@ -67,10 +65,10 @@ def test_single_run_learns_and_writes_everything(tmp_path):
     assert "batch_size: 64" in (run_dir / "config.yaml").read_text()
 
 
-def test_a_profiled_step_names_its_forward_backward_and_optimizer(make_config, tmp_path):
+def test_a_profiled_step_names_its_forward_backward_and_optimizer(tmp_path):
     # The split of a step's time that every mode shows alike: ranges in the step's own code, in the trace.
-    run(make_config, tmp_path, "epochs=1", "warmup_steps=1", "profile=true")
-    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    run_dir, _ = run(tmp_path, 384, "epochs=1", "warmup_steps=1", "profile=true")  # 6 steps: 1 + the 5 profiled
+    events = json.loads((run_dir / "trace_rank0.json").read_text())["traceEvents"]
     ranges = [event["name"] for event in events if event.get("cat") == "user_annotation"]
     assert {"forward", "backward", "optimizer"} <= set(ranges)
     assert ranges.count("forward") == ranges.count("optimizer")  # one of each per profiled step
