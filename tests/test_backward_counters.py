@@ -8,6 +8,9 @@ from helpers import run_batch
 from mnist_dist.model import ConvNet, FastNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
 
+# spawned ranks: out of `-m "not slow"`, which keeps test_ddp.py's one job of our DDP against one process
+pytestmark = pytest.mark.slow
+
 
 def torch_buckets(rank: int, world_size: int, bucket_cap_mb: float | None, net=ConvNet) -> list[int]:
     """torch DDP's buckets (bytes) after it rebuilt them in the order of the first backward: one all-reduce each."""

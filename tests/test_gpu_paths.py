@@ -1,24 +1,22 @@
-"""The CUDA-only paths, checked on a CPU: device discovery faked, thread-local autocast, stream clocks,
-process setup's flags and arguments (issue 26: every path a desk check found wrong on GPUs)."""
+"""The CUDA-only paths, checked on a CPU: device discovery faked, stream clocks, process setup's flags and
+arguments (every path a desk check found wrong on GPUs). Replicas in the caller's autocast dtype and NCCL bound
+to its device: the GPU check's probes, each tested with its bug put back (test_gpu_probes.py)."""
 
 import importlib
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import threaded_parallel_apply, validate_here
-from torch import nn
+from helpers import validate_here
 
+import mnist_dist
 from mnist_dist import metrics
 from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import checkpoint
-from mnist_dist.parallel import dp as our_dp
 from mnist_dist.topology import Topology, deterministic_kernels, from_env, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
@@ -49,28 +47,6 @@ def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
     assert {p.device for p in wrapped.parameters()} == {torch.device("cpu")}
     x = torch.randn(8, 1, 28, 28)
     torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("functional", [False, True])
-def test_replicas_compute_in_the_callers_autocast_dtype(monkeypatch, functional):
-    # On CUDA the caller's bf16 became the thread's default fp16, without a GradScaler. Here the CPU
-    # stands in: its thread default is bf16, so the caller asks for fp16.
-    monkeypatch.setattr(our_dp, "parallel_apply", threaded_parallel_apply)
-    monkeypatch.setattr(torch_data_parallel, "parallel_apply", threaded_parallel_apply)  # the old path too
-    linear, x = nn.Linear(4, 4), torch.randn(4, 4)
-    if functional:
-        monkeypatch.setattr(our_dp, "scatter", lambda tensor, ids: tensor.chunk(len(ids)))
-        monkeypatch.setattr(our_dp, "replicate", lambda module, ids: [module] * len(ids))
-        monkeypatch.setattr(our_dp, "gather", lambda outputs, device: outputs)  # each replica's, as it made it
-        wrapper = our_dp.FunctionalDataParallel(linear, [0, 1])
-        with torch.autocast("cpu", dtype=torch.float16):
-            outputs = wrapper(x)
-    else:
-        monkeypatch.setattr(torch_data_parallel, "_get_available_device_type", lambda: "cpu")
-        wrapper = our_dp.data_parallel(linear, [0, 1], "", functional=False)
-        with torch.autocast("cpu", dtype=torch.float16):
-            outputs = wrapper.parallel_apply([linear, linear], [(x[:2],), (x[2:],)], None)
-    assert [out.dtype for out in outputs] == [torch.float16] * len(outputs)
 
 
 @pytest.mark.parametrize("name", DP_MODES)
@@ -169,14 +145,6 @@ def cuda_setup(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.update(init=(args, kwargs)))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     return calls
-
-
-def test_nccl_is_initialised_bound_to_the_device(cuda_setup):
-    # Without device_id every rank warns at each barrier(), and a broken NCCL surfaces inside the wrapper.
-    ranks = Topology("ddp", "cuda", 2, gpus=2, rank=1, local_rank=1, backend="nccl")
-    setup_process(ranks, deterministic=True, timeout_s=60)
-    args, kwargs = cuda_setup["init"]
-    assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda:1") and kwargs["rank"] == 1
 
 
 def test_each_run_starts_with_the_peak_memory_of_every_device_reset(cuda_setup):
@@ -282,30 +250,24 @@ def test_torchrun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypat
         from_env(make_config("mode=ddp", "gpus=2", "device=cuda"))
 
 
-def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
+def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda(monkeypatch):
     # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first use in a process: importing the package is
     # the first thing any of its processes does. This one imported it first, so it is not warned; a process
-    # that used CUDA before importing it is.
+    # that used CUDA before importing it is (the import played again here, CUDA in use).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         deterministic_kernels(True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not caught
-    code = (
-        "import os, warnings; import torch; torch.cuda.is_initialized = lambda: True\n"
-        "import mnist_dist; from mnist_dist.topology import deterministic_kernels\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always'); deterministic_kernels(True)\n"
-        "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), [str(w.message) for w in caught])"
-    )
-    env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    setting, said = run.stdout.split(" ", 1)
-    assert setting == ":4096:8" and "CUDA was in use before mnist_dist was imported" in said
+    monkeypatch.setattr(mnist_dist, "CUBLAS_SET_LATE", False)  # what the import below changes, put back after
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    importlib.reload(mnist_dist)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with pytest.warns(UserWarning, match="CUDA was in use before mnist_dist was imported"):
+        deterministic_kernels(True)
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [None, 25.0])
-@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("bucket_cap_mb, as_view", [(None, False), (25.0, True)])  # torch's two bucket layouts
 def test_model_state_counts_both_ddps_alike(one_rank, bucket_cap_mb, as_view):
     # Each storage once: a .grad that is a view of its bucket is not counted twice. The buckets themselves
     # are not counted (torch's are not public), so both DDPs report the same figure.

@@ -1,5 +1,6 @@
-"""join() on uneven inputs: our DistributedDataParallel against torch DDP's join(), on 2 and 3 ranks whose
-numbers of batches differ; with buffers, no_sync() and unused parameters; the replicas end equal."""
+"""join() on uneven inputs: our DistributedDataParallel against torch DDP's join(), on 3 ranks whose numbers of
+batches differ (two join early, at different steps); with buffers, no_sync() and unused parameters; the replicas
+end equal."""
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.parallel import DistributedDataParallel
+
+# spawned ranks: out of `-m "not slow"`, which keeps test_ddp.py's one job of our DDP against one process
+pytestmark = pytest.mark.slow
 
 
 class Net(nn.Module):
@@ -67,10 +71,10 @@ def _equal(a: dict, b: dict) -> bool:
 PATTERNS = ["initial", "effective", "no_sync", "unused"]
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def ranks(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
     calls = {(w, p): (train, w, p) for w in ("ours", "torch") for p in PATTERNS}
-    return run_batch(calls, request.param, tmp_path_factory.mktemp(f"join{request.param}"))
+    return run_batch(calls, 3, tmp_path_factory.mktemp("join"))
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -55,8 +55,8 @@ def test_fp16_scales_the_gradients_and_bf16_does_not():
 
 @pytest.mark.slow
 def test_channels_last_computes_the_same_curve(make_config, tmp_path, fp32):
-    # in ddp: NHWC weights are the parameters its buckets lay out in their own strides
-    nhwc = losses(make_config, tmp_path, "mode=ddp", "gpus=2", "channels_last=true")
+    # NHWC weights in our DDP's buckets, laid out in their own strides: test_ddp_equivalence.py's channels_last
+    nhwc = losses(make_config, tmp_path, "channels_last=true")
     torch.testing.assert_close(nhwc, fp32, rtol=1e-4, atol=1e-5)
 
 

@@ -1,150 +1,158 @@
-"""Any world size, exactly: the global batch fixes the training, so a job gives the same curve on 1 to 4 ranks,
-and a checkpoint written on 2 ranks resumes on 1, 3 or 4 at the exact global sample where it stopped."""
+"""Any world size, exactly: the global batch fixes the training, so a job gives one process's curve on any
+number of ranks in every mode, and a checkpoint written on 2 ranks resumes on 2 bit for bit, and on 3, or on 1
+under torchrun, at the exact global sample where it stopped."""
 
 import json
 import logging
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import compose_config, scalars
+from helpers import HANG_S, compose_config, scalars
 
 from mnist_dist.launch import _resume, launch
+from mnist_dist.model import ConvNet
 from mnist_dist.operations import checkpoint, compatibility
 from mnist_dist.tools import write_idx
 
-# 48 images per step divide among 1, 2, 3 and 4 ranks; SGD and no dropout: nothing depends on the ranks.
-JOB = ("epochs=2", "batch_size=48", "optim=sgd", "model.dropout=false", "log_every=1")
-MID_EPOCH = ("checkpoint_every_steps=5", "keep_checkpoints=7")  # 13 steps per epoch: saved at 5, 10, 13, ...
+# 48 images per step divide among 1, 2 and 3 ranks; SGD and no dropout: nothing depends on the ranks. Momentum:
+# optimizer state to shard (fsdp) and to resume; rounding stays at its own size (see REFERENCE.md).
+JOB = ("epochs=2", "batch_size=48", "optim=sgd", "optim.lr=0.05", "optim.momentum=0.9", "model.dropout=false")
+# 288 images: 6 steps an epoch, saved at 4, 6, 8 and 12; checkpoint.3.pt is step 4, mid-epoch 1
+JOB += ("log_every=1", "checkpoint_every_steps=4", "keep_checkpoints=4")
+RUNS = {
+    "single": (),
+    "ddp": ("mode=ddp", "gpus=2"),
+    "fsdp": ("mode=fsdp", "gpus=2"),
+    "torch_ddp": ("mode=torch_ddp", "gpus=3"),
+}
 
 
-def train(tiny_root, run_dir, *overrides):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A data.root with few images: a run's time is mostly its images' forward and backward passes."""
+    data = tmp_path_factory.mktemp("data")
+    write_idx(data / "MNIST" / "raw", n_train=288, n_test=50)
+    return data
+
+
+def train(root, run_dir, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(compose_config(tiny_root, *JOB, *overrides), run_dir)
+    launch(compose_config(root, *JOB, *overrides), run_dir)
     return torch.load(run_dir / "model.pt")
 
 
 def assert_close_weights(found: dict, expected: dict) -> None:
+    assert found.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(found[key], value, rtol=0, atol=1e-5, msg=key)
 
 
+def losses(run_dir) -> torch.Tensor:
+    return torch.tensor(scalars(run_dir)["train/loss_global"])  # the mean over ranks
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tiny_root, tmp_path_factory):
-    """Uninterrupted 2-rank runs (ddp and fsdp), every checkpoint kept."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    for mode in ("ddp", "fsdp"):
-        train(tiny_root, out / mode, f"mode={mode}", "gpus=2", *MID_EPOCH)
+def runs(root, tmp_path_factory):
+    """The job uninterrupted, each mode in its own directory, every checkpoint kept."""
+    out = tmp_path_factory.mktemp("world_size")
+    for name, overrides in RUNS.items():
+        train(root, out / name, *overrides)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,ranks", [("ddp", 1), ("ddp", 3), ("ddp", 4), ("fsdp", 3)])
-def test_a_mid_epoch_checkpoint_resumes_on_another_number_of_ranks(tiny_root, two_ranks, tmp_path, mode, ranks):
-    saved = two_ranks / mode / "checkpoint.5.pt"
-    state = checkpoint.load(saved)
-    assert (state["world_size"], state["epoch"], state["epoch_step"], state["step"]) == (2, 0, 10, 10)
-    (tmp_path / "run").mkdir()
-    shutil.copyfile(saved, tmp_path / "run" / "checkpoint.pt")
-    resumed = train(tiny_root, tmp_path / "run", f"mode={mode}", f"gpus={ranks}", "resume=auto")
-    assert_close_weights(resumed, torch.load(two_ranks / mode / "model.pt"))
-    whole, part = scalars(two_ranks / mode)["train/loss_global"], scalars(tmp_path / "run")["train/loss_global"]
-    torch.testing.assert_close(torch.tensor(part), torch.tensor(whole[10:]), rtol=0, atol=1e-5)  # steps 11 to 26
+def test_the_same_job_gives_one_processs_curve_and_weights_on_several_ranks(runs):
+    single, weights = losses(runs / "single"), torch.load(runs / "single" / "model.pt")
+    assert len(single) == 12
+    torch.manual_seed(1)  # the config's seed: the weights every mode starts from
+    start = ConvNet(dropout=False).state_dict()
+    assert (weights["classifier.3.weight"] - start["classifier.3.weight"]).abs().max() > 1e-3  # it trained
+    for mode in ("ddp", "fsdp", "torch_ddp"):
+        torch.testing.assert_close(losses(runs / mode), single, rtol=0, atol=1e-5, msg=mode)
+        assert_close_weights(torch.load(runs / mode / "model.pt"), weights)  # fsdp's: full tensors, plain keys
+    saved = torch.load(runs / "fsdp" / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 12 and set(saved["optimizer"]["state"]) == set(weights)  # full, by parameter name
 
 
 @pytest.mark.slow
-def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(tiny_root, two_ranks, caplog):
+def test_rank_0_writes_every_ranks_scalars_into_one_tensorboard_run(runs):
+    run_dir = runs / "ddp"
+    assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {run_dir / "tb"}
+    tb, single = scalars(run_dir), scalars(runs / "single")
+    assert set(tb) - set(single) == {"rank_1/train/loss", "rank_1/perf/images_per_s"} and set(single) <= set(tb)
+    assert tb["rank_0/train/loss"] != tb["rank_1/train/loss"]  # each rank's own share of the batch
+    mean = [(a + b) / 2 for a, b in zip(tb["rank_0/train/loss"], tb["rank_1/train/loss"], strict=True)]
+    assert tb["train/loss_global"] == pytest.approx(mean, rel=1e-6)  # TensorBoard keeps float32
+
+
+@pytest.mark.slow
+def test_fsdp_holds_a_shard_of_the_state_per_rank(runs):
+    mib = {name: json.loads((runs / name / "results.json").read_text())["model_state_mib"] for name in RUNS}
+    weights = sum(v.numel() for v in ConvNet().state_dict().values()) * 4 / 2**20
+    assert mib["single"] == [pytest.approx(3 * weights)]  # weights, gradients, momentum
+    assert mib["ddp"] == [pytest.approx(3 * weights)] * 2  # each rank all of it
+    assert all(3 * weights / 2 <= per_rank < 3 * weights / 2 * 1.01 for per_rank in mib["fsdp"])  # padded per tensor
+
+
+@pytest.mark.slow
+# ddp on 2 ranks, bit for bit (dropout on, restarted by torchrun and requeued by SLURM): test_launch.py
+@pytest.mark.parametrize("mode,ranks", [("fsdp", 2), ("ddp", 3), ("fsdp", 3)])
+def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(root, runs, tmp_path, mode, ranks):
+    saved = runs / mode / "checkpoint.3.pt"
+    state = checkpoint.load(saved)
+    assert (state["world_size"], state["epoch"], state["epoch_step"], state["step"]) == (2, 0, 4, 4)
+    (tmp_path / "run").mkdir()
+    shutil.copyfile(saved, tmp_path / "run" / "checkpoint.pt")
+    resumed = train(root, tmp_path / "run", f"mode={mode}", f"gpus={ranks}", "resume=auto")
+    whole, part = losses(runs / mode)[4:], losses(tmp_path / "run")  # steps 5 to 12
+    if ranks == 2:  # where it was written: bit for bit
+        assert torch.equal(part, whole)
+        assert all(torch.equal(value, resumed[key]) for key, value in torch.load(runs / mode / "model.pt").items())
+    else:
+        torch.testing.assert_close(part, whole, rtol=0, atol=1e-5)
+        assert_close_weights(resumed, torch.load(runs / mode / "model.pt"))
+    if mode == "fsdp":  # a shard of weights, gradients and momentum each, padded per tensor
+        weights = sum(v.numel() for v in ConvNet().state_dict().values()) * 4 / 2**20
+        mib = json.loads((tmp_path / "run" / "results.json").read_text())["model_state_mib"]
+        assert all(3 * weights / ranks <= per_rank < 3 * weights / ranks * 1.01 for per_rank in mib)
+
+
+@pytest.mark.slow
+def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(root, runs, caplog):
     mnist_dist_log = logging.getLogger("mnist_dist")
     mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
     try:
         with caplog.at_level(logging.INFO, logger="mnist_dist"):
-            compatibility.check_resumable(*_resumed(tiny_root, two_ranks, "epochs=3", "gpus=3"))
+            compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "gpus=3"))
     finally:
         mnist_dist_log.propagate = before
-    assert "resuming on 3 ranks a checkpoint written on 2: the same global batches follow, split 3 ways" in caplog.text
+    assert "resuming on 3 ranks a checkpoint written on 2" in caplog.text
     with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
-        compatibility.check_resumable(*_resumed(tiny_root, two_ranks, "epochs=3", "batch_size=24"))
+        compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "batch_size=24"))
 
 
-def _resumed(tiny_root, two_ranks, *overrides) -> tuple:
-    cfg, _, saved = _resume(compose_config(tiny_root, *JOB, f"resume={two_ranks / 'ddp'}", *overrides), two_ranks, ())
+def _resumed(root, runs, *overrides) -> tuple:
+    cfg, _, saved = _resume(compose_config(root, *JOB, f"resume={runs / 'ddp'}", *overrides), runs, ())
     return saved, cfg
 
 
 @pytest.mark.slow
-def test_the_same_job_gives_the_same_curve_on_1_to_4_ranks(tmp_path):
-    """The largest difference from single's curve."""
-    # 13 runs: 312 images (6 global batches, 24 dropped) keep two epochs, each in its own order, short
-    root = tmp_path / "data"
-    write_idx(root / "MNIST" / "raw", n_train=312, n_test=50)
-    reference = torch.tensor(scalars(_run_curve(root, tmp_path / "single", "mode=single"))["train/loss_global"])
-    assert len(reference) == 12
-    worst = {}
-    for mode in ("ddp", "torch_ddp", "fsdp"):
-        for ranks in (1, 2, 3, 4):
-            curve = scalars(_run_curve(root, tmp_path / f"{mode}{ranks}", f"mode={mode}", f"gpus={ranks}"))
-            worst[mode, ranks] = (torch.tensor(curve["train/loss_global"]) - reference).abs().max().item()
-    print("\n| mode | 1 rank | 2 ranks | 3 ranks | 4 ranks |\n|---|---|---|---|---|")
-    for mode in ("ddp", "torch_ddp", "fsdp"):
-        print(f"| {mode} | " + " | ".join(f"{worst[mode, n]:.1e}" for n in (1, 2, 3, 4)) + " |")
-    assert max(worst.values()) <= 1e-5, worst
-
-
-def _run_curve(data_root, run_dir, *overrides):
+def test_a_torchrun_worker_goes_on_at_the_world_size_torchrun_gives_it(root, runs, tmp_path):
+    """What an elastic job's node that is left does (torchrun restarts its worker in a world of one): the 2-rank
+    checkpoint resumed on 1 rank, whatever gpus the checkpoint says, ends as the uninterrupted 2-rank run."""
+    run_dir = tmp_path / "run"
     run_dir.mkdir()
-    launch(compose_config(data_root, *JOB, *overrides), run_dir)
-    return run_dir
-
-
-ELASTIC = (
-    *("mode=ddp", "device=cpu", "epochs=1", "batch_size=32", "optim=sgd", "model.dropout=false", "log_every=1"),
-    *("model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "checkpoint_every_steps=5"),
-    *("resume=auto", "progress=false", "data.mirrors=[]"),
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_torchrun_elastic_goes_on_with_the_node_that_is_left(tiny_root, tmp_path):
-    """Two torchrun agents (one node each) on c10d; one is lost at step 13. The other restarts its worker on a
-    world of one, which resumes the step-10 checkpoint and ends as the uninterrupted 2-rank run."""
-    (tmp_path / "whole").mkdir()
-    launch(compose_config(tiny_root, *ELASTIC, "gpus=2"), tmp_path / "whole")
-    port, run_dir = _free_port(), tmp_path / "elastic"
-    # The rendezvous store lives in this process, so that losing either agent leaves it (an agent finds
-    # the port taken and joins as a client). Both agents start at once: they join the first round together.
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"]
-    agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic"]
-    # A node is lost after 5 s without a heartbeat (torch's default: 15 s, idle time in this test).
-    agent += ["--rdzv-conf=last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=5"]
-    agent += ["-m", "mnist_dist", *ELASTIC, f"data.root={tiny_root}"]
-    agent += [f"hydra.run.dir={run_dir}"]
-    left = subprocess.Popen(agent, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    lost = subprocess.Popen(
-        agent, cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, "KILL_AGENT_AT_STEP": "13"}
-    )
-    try:
-        _, errors = left.communicate(timeout=600)
-        assert left.returncode == 0, errors
-        assert lost.wait(timeout=120) == -signal.SIGKILL
-    finally:
-        for process in (left, lost):
-            process.kill()
-        del store
+    shutil.copyfile(runs / "ddp" / "checkpoint.3.pt", run_dir / "checkpoint.pt")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    command = [*torchrun, "-m", "mnist_dist", "mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]"]
+    command += ["progress=false", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+    assert result.returncode == 0, result.stderr
     results = json.loads((run_dir / "results.json").read_text())
-    assert (results["world_size"], results["steps"]) == (1, 20)
-    assert "resuming on 1 ranks a checkpoint written on 2" in errors
+    assert (results["world_size"], results["steps"]) == (1, 12)
+    assert "resuming on 1 ranks a checkpoint written on 2" in result.stderr
     assert "\ngpus: 1\n" in (run_dir / "config.yaml").read_text()  # what ran, not the checkpoint's gpus=2
-    assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(tmp_path / "whole" / "model.pt"))
+    assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(runs / "ddp" / "model.pt"))
