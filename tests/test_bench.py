@@ -60,8 +60,13 @@ def test_a_count_that_cannot_be_is_one_line_naming_the_flag(tmp_path, flag, valu
 
 
 def test_a_failed_bench_leaves_no_work_directory(tmp_path, monkeypatch):
+    def fails(overrides, run_dir):
+        run_dir.mkdir(parents=True)  # it had begun to write
+        raise RuntimeError("exit 1: error: batch_size=16 is not divisible by 3 ranks")
+
+    monkeypatch.setattr(bench, "train_in_subprocess", fails)
     monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(SystemExit, match="bench: ddp failed: exit 1: .*not divisible by 3 ranks"):
+    with pytest.raises(SystemExit, match="bench: ddp failed: exit 1: .*not divisible"):
         bench.main(["--cases", "ddp", "--gpus", "3", "--batch", "16", "--steps", "2", "--out", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []  # neither the work directory nor a report
 
