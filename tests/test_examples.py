@@ -24,8 +24,8 @@ from mnist_dist.model import ConvNet, FastNet
 ROOT = Path(__file__).parent.parent
 MNIST_DDP = ROOT / "examples" / "mnist_ddp.py"
 OUR_DDP = ROOT / "examples" / "ddp.py"  # a link to mnist_dist/parallel/ddp.py: one home
-STEPS = 20  # two epochs of the tiny data (640 images, global batch 64): StepLR lowers the rate once
-EPOCHS = 3  # the reference run: a stop after the first epoch leaves two to resume
+STEPS_PER_EPOCH = 10  # the tiny data: 640 images, global batch 64
+EPOCHS = 3  # a stop after the first epoch leaves two to resume, in which StepLR lowers the rate
 EPOCH_LINE = r"epoch (\d+): test loss ([\d.]+), accuracy ([\d.]+) %"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # a free port
 SPAWN = [sys.executable]  # its own launcher: --nproc 2 is the default on CPU
@@ -64,15 +64,6 @@ def no_app(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory) -> Path:
-    """examples/mnist_ddp.py and ddp.py copied (the link followed, as ``cp`` does) into an empty folder."""
-    folder = tmp_path_factory.mktemp("alone")
-    for file in (MNIST_DDP, OUR_DDP):
-        shutil.copyfile(file, folder / file.name)
-    return folder / MNIST_DDP.name
-
-
 def example_args(script: Path, data: Path, out: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
     """The example's arguments on the tiny data, everything it writes going to ``out``."""
     out.mkdir(exist_ok=True)
@@ -89,31 +80,6 @@ def run_example(launcher: list[str], args: list[str], env: dict) -> dict:
     losses = [float(line) for line in (out / "losses.txt").read_text().splitlines()]
     epochs = [tuple(map(float, m.groups())) for m in re.finditer(EPOCH_LINE, result.stdout)]
     return {"losses": losses, "epochs": epochs, "stdout": result.stdout, "weights": torch.load(out / "model.pt")}
-
-
-@pytest.fixture(scope="module")
-def reference(alone, tiny_root, no_app, tmp_path_factory) -> dict:
-    """The docs' command: torchrun in the folder of the two copied files, torch's DDP, no mnist_dist."""
-    return run_example(TORCHRUN, example_args(alone, tiny_root, tmp_path_factory.mktemp("reference")), no_app)
-
-
-@pytest.mark.slow
-def test_mnist_ddp_alone_computes_the_apps_ddp_run(reference, tiny_root, tmp_path):
-    assert (
-        "cp examples/mnist_ddp.py examples/ddp.py ~/mine/ && cd ~/mine\ntorchrun --nproc_per_node=2 mnist_ddp.py"
-        in (ROOT / "docs" / "CONVERTING.md").read_text()
-    )  # the command this run is
-    cfg = compose_config(tiny_root, "mode=ddp", "gpus=2", "device=cpu", f"epochs={STEPS // 10}", "log_every=1")
-    launch(cfg, tmp_path)
-    app = scalars(tmp_path)
-    assert len(app["train/loss_global"]) == STEPS and len(reference["losses"]) == EPOCHS * STEPS // 2
-    assert max(abs(a - b) for a, b in zip(reference["losses"], app["train/loss_global"])) < 1e-5  # TB: float32
-    for (epoch, loss, accuracy), app_loss, app_accuracy in zip(
-        reference["epochs"], app["test/loss"], app["test/accuracy"]
-    ):
-        assert abs(loss - app_loss) < 1e-4 and abs(accuracy - 100 * app_accuracy) < 1e-2, epoch
-    assert reference["stdout"].count("\n") == len(reference["epochs"]) == EPOCHS  # a line an epoch, rank 0's
-    ConvNet().load_state_dict(reference["weights"])  # strict: the app's names, no "module."
 
 
 def ranks_of(launcher: int) -> list[int]:
@@ -139,15 +105,26 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_mnist_ddp_interrupted_stops_every_rank_and_started_again_ends_as_the_uninterrupted_run(
-    reference, alone, tiny_root, no_app, tmp_path
-):
-    # Our DDP (--ddp ours: the same numbers as torch's) under the file's own launcher, stopped by a SIGINT to the
-    # launcher alone (a terminal's Ctrl-C reaches the ranks too: the same stop, sent by the terminal).
-    args = example_args(alone, tiny_root, tmp_path, "--ddp", "ours")
-    checkpoint = tmp_path / "checkpoint.pt"
+def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(tiny_root, no_app, tmp_path):
+    # The uninterrupted run: the app's mode=ddp, bit for bit what the example computes (the same kernels,
+    # batches and sums), every step logged.
+    (tmp_path / "app").mkdir()
+    launch(
+        compose_config(tiny_root, "mode=ddp", "gpus=2", "device=cpu", f"epochs={EPOCHS}", "log_every=1"),
+        tmp_path / "app",
+    )
+    app, app_weights = scalars(tmp_path / "app"), torch.load(tmp_path / "app" / "model.pt")
+    assert len(app["train/loss_global"]) == EPOCHS * STEPS_PER_EPOCH
+    # First our DDP (--ddp ours) under the file's own launcher, stopped by a SIGINT to the launcher alone (a
+    # terminal's Ctrl-C reaches the ranks too: the same stop) once it has saved its first epoch.
+    (tmp_path / "alone").mkdir()
+    for file in (MNIST_DDP, OUR_DDP):  # the link followed, as cp does
+        shutil.copyfile(file, tmp_path / "alone" / file.name)
+    alone = tmp_path / "alone" / MNIST_DDP.name
+    args = example_args(alone, tiny_root, tmp_path / "out", "--ddp", "ours")
+    checkpoint = tmp_path / "out" / "checkpoint.pt"
     launcher = subprocess.Popen(
-        [*SPAWN, *args], cwd=alone.parent, env=no_app, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*SPAWN, *args], cwd=alone.parent, env=no_app, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     ranks = []
     try:
@@ -155,7 +132,7 @@ def test_mnist_ddp_interrupted_stops_every_rank_and_started_again_ends_as_the_un
             time.sleep(0.01)
         ranks = ranks_of(launcher.pid)
         os.kill(launcher.pid, signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=120)
+        stdout, stderr = launcher.communicate(timeout=120)
         survivors = [pid for pid in ranks if running(pid)]
     finally:
         for pid in [launcher.pid, *ranks]:
@@ -165,12 +142,23 @@ def test_mnist_ddp_interrupted_stops_every_rank_and_started_again_ends_as_the_un
     assert launcher.returncode == 130 and len(stderr.splitlines()) == 1 and "interrupted" in stderr, stderr
     epoch = torch.load(checkpoint)["epoch"]  # the last whole epoch's, whole
     assert 1 <= epoch < EPOCHS
-
-    resumed = run_example(SPAWN, args, no_app)
+    # Then the docs' command, as torchrun --max-restarts would start it again: torch's DDP, the two files alone.
+    assert (
+        "cp examples/mnist_ddp.py examples/ddp.py ~/mine/ && cd ~/mine\ntorchrun --nproc_per_node=2 mnist_ddp.py"
+        in (ROOT / "docs" / "CONVERTING.md").read_text()
+    )
+    resumed = run_example(TORCHRUN, args[: args.index("--ddp")], no_app)
     assert resumed["stdout"].startswith(f"resuming after epoch {epoch} of {EPOCHS} from ")
-    assert [e for e, *_ in resumed["epochs"]] == list(range(epoch + 1, EPOCHS + 1))
-    assert resumed["losses"] == reference["losses"][epoch * STEPS // 2 :]
-    assert all(torch.equal(resumed["weights"][k], reference["weights"][k]) for k in reference["weights"])
+    assert resumed["stdout"].count("\n") == 1 + EPOCHS - epoch  # and a line an epoch, rank 0's
+    saved = [tuple(map(float, m.groups())) for m in re.finditer(EPOCH_LINE, stdout)][:epoch]  # then stopped
+    epochs = saved + resumed["epochs"]
+    assert [e for e, *_ in epochs] == list(range(1, EPOCHS + 1))
+    for (_, loss, accuracy), app_loss, app_accuracy in zip(epochs, app["test/loss"], app["test/accuracy"], strict=True):
+        assert abs(loss - app_loss) < 1e-4 and abs(accuracy - 100 * app_accuracy) < 1e-2  # as printed
+    steps = app["train/loss_global"][epoch * STEPS_PER_EPOCH :]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], steps, strict=True)) < 1e-5  # TensorBoard: float32
+    ConvNet().load_state_dict(resumed["weights"])  # strict: the app's names, no "module."
+    assert all(torch.equal(resumed["weights"][k], app_weights[k]) for k in app_weights)
 
 
 YOUR_DATA = '''def load_data(folder, dataset, split):
@@ -201,7 +189,7 @@ def test_mnist_ddp_trains_its_rewritten_data_function_batchnorm_and_a_sampler_an
     script.write_text("".join(lines[: marked.lineno - 1]) + YOUR_DATA + "".join(lines[marked.end_lineno :]))
     args = example_args(script, tmp_path / "nowhere", tmp_path / "out", "--loader", "--model", "fastnet", epochs=2)
     run = run_example(TORCHRUN, args, no_app)
-    assert len(run["losses"]) == STEPS and len(run["epochs"]) == 2  # 320 images a rank: 10 batches of 32
+    assert len(run["losses"]) == 2 * STEPS_PER_EPOCH and len(run["epochs"]) == 2  # 320 images a rank: 10 batches of 32
     assert run["losses"][-1] < run["losses"][0] / 4 and run["epochs"][-1][2] > 90
     model = FastNet()
     model.load_state_dict(run["weights"])  # strict: the app's FastNet, buffers included
