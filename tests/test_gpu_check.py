@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compose_config
 
+from mnist_dist.launch import launch
 from mnist_dist.tools import gpu_check
 from mnist_dist.tools.gpu_check import Row
 
@@ -164,6 +166,15 @@ def test_quick_on_the_cpu_fails_the_bitwise_row_where_ddp_at_world_size_1_divide
     monkeypatch.setattr(gpu_check, "EPOCHS", 1)
     monkeypatch.setattr(gpu_check, "check_time_to_accuracy", lambda args, work: [])  # its rows: faked tests above
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    in_a_process = gpu_check.train
+
+    def single_here(args, run_dir, *overrides):  # single has no bug to put back: trained in this process
+        if "mode=single" not in overrides:
+            return in_a_process(args, run_dir, *overrides)
+        run_dir.mkdir(parents=True)
+        return launch(compose_config(tmp_path, *overrides), run_dir), ""
+
+    monkeypatch.setattr(gpu_check, "train", single_here)
     code, out, rows = run(monkeypatch, capsys, tmp_path, "--device", "cpu", "--quick")
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert code == 1 and len(rows) == 2 and len(failed) == 1, out
