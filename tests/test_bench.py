@@ -5,7 +5,9 @@ import argparse
 import json
 
 import pytest
+from helpers import compose_config
 
+from mnist_dist.launch import launch
 from mnist_dist.tools import bench
 
 ARGS = argparse.Namespace(device="cpu", batch=64, steps=10, repeats=3, gpus=2, seeds=3)
@@ -60,8 +62,13 @@ def test_a_count_that_cannot_be_is_one_line_naming_the_flag(tmp_path, flag, valu
 
 
 def test_a_failed_bench_leaves_no_work_directory(tmp_path, monkeypatch):
+    def fails(overrides, run_dir):
+        run_dir.mkdir(parents=True)  # it had begun to write
+        raise RuntimeError("exit 1: error: batch_size=16 is not divisible by 3 ranks")
+
+    monkeypatch.setattr(bench, "train_in_subprocess", fails)
     monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(SystemExit, match="bench: ddp failed: exit 1: .*not divisible by 3 ranks"):
+    with pytest.raises(SystemExit, match="bench: ddp failed: exit 1: .*not divisible"):
         bench.main(["--cases", "ddp", "--gpus", "3", "--batch", "16", "--steps", "2", "--out", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []  # neither the work directory nor a report
 
@@ -69,6 +76,12 @@ def test_a_failed_bench_leaves_no_work_directory(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_tiny_run_reports_what_it_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+
+    def here(overrides, run_dir):  # the run in this process: what the bench reads of it is what counts
+        run_dir.mkdir(parents=True)
+        return launch(compose_config(tmp_path, *overrides), run_dir)
+
+    monkeypatch.setattr(bench, "train_in_subprocess", here)
     out = tmp_path / "out"
     bench.main(
         ["--cases", "single", "--steps", "6", "--warmup", "2", "--repeats", "1", "--batch", "16", "--out", str(out)]

@@ -81,16 +81,12 @@ def serve(monkeypatch):
 # --- files already in place -------------------------------------------------------------------
 
 
-def test_files_in_raw_are_used_as_they_are(tmp_path):
+def test_files_in_raw_are_used_as_they_are_on_a_read_only_root_too(tmp_path):
     files = idx_set()
     raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
     assert data.prepare("mnist", tmp_path, mirrors=[]) == raw  # no mirrors: nothing could have been fetched
     assert {name: (raw / name).read_bytes() for name in NAMES} == files
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["MNIST", "raw", *NAMES])  # nothing written
-
-
-def test_a_read_only_root_with_the_files_works(tmp_path):
-    raw = write_set(tmp_path / "MNIST" / "raw", idx_set(), gz=False)
     # Root writes through file permissions: a read-only bind mount is read-only for everyone.
     if subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(tmp_path)], capture_output=True).returncode:
         pytest.skip("cannot mount a read-only directory here (needs root)")
@@ -100,31 +96,34 @@ def test_a_read_only_root_with_the_files_works(tmp_path):
         subprocess.run(["umount", str(tmp_path)], check=True)
 
 
-def test_a_file_cut_short_is_one_line(tmp_path):
+@pytest.mark.parametrize(
+    "file, content, key",
+    [
+        ("t10k-images-idx3-ubyte", images_idx(10)[:-100], "t10k-images-idx3-ubyte: 7756 bytes"),  # cut short
+        ("train-labels-idx1-ubyte", labels_idx(19), "train-labels-idx1-ubyte holds 19 labels"),
+    ],
+)
+def test_a_file_cut_short_or_of_another_count_is_one_line_and_left_as_it_is(tmp_path, file, content, key):
     """A download or copy interrupted: one line in the parent, not a traceback in every worker."""
-    raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), "t10k-images-idx3-ubyte": images_idx(10)[:-100]}, False)
-    with pytest.raises(DataError, match="t10k-images-idx3-ubyte: 7756 bytes, not the 7856 its header says"):
+    raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), file: content}, gz=False)
+    with pytest.raises(DataError, match=key):
         data.prepare("mnist", tmp_path, mirrors=[])
-    assert (raw / "t10k-images-idx3-ubyte").stat().st_size == 7756  # the user's file, left as it is
-
-
-def test_mismatched_counts(tmp_path):
-    write_set(tmp_path / "MNIST" / "raw", {**idx_set(), "train-labels-idx1-ubyte": labels_idx(19)}, gz=False)
-    with pytest.raises(DataError, match="holds 20 images but train-labels-idx1-ubyte holds 19 labels"):
-        data.prepare("mnist", tmp_path, mirrors=[])
+    assert (raw / file).read_bytes() == content  # the user's file
 
 
 # --- local folders: accepted by the md5s of the decompressed files ------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.slow  # full-size data
 @needs_fashion
-@pytest.mark.parametrize("as_url", [False, True], ids=["dir", "file-url"])
-def test_debians_fashion_mnist_is_taken_by_its_decompressed_md5s(tmp_path, caplog, as_url):
+def test_debians_fashion_mnist_is_taken_by_its_decompressed_md5s(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mnist_dist.data")
-    source = FASHION.as_uri() if as_url else str(FASHION)  # recompressed .gz: torchvision's md5s do not match
-    raw = data.prepare("fashion_mnist", tmp_path, [str(tmp_path / "absent"), source])
-    assert raw == tmp_path / "FashionMNIST" / "raw"
-    assert f"fashion_mnist: got the IDX files from {source}" in caplog.messages
+    for name, source in (("dir", str(FASHION)), ("url", FASHION.as_uri())):  # recompressed: not torchvision's md5s
+        root = tmp_path / name
+        raw = data.prepare("fashion_mnist", root, [str(tmp_path / "absent"), source])
+        assert raw == root / "FashionMNIST" / "raw"
+        assert f"fashion_mnist: got the IDX files from {source}" in caplog.messages
     for train, n in ((True, 60_000), (False, 10_000)):
         images, labels = data.load_split(raw, train)
         assert images.shape == (n, 28, 28)
@@ -132,17 +131,8 @@ def test_debians_fashion_mnist_is_taken_by_its_decompressed_md5s(tmp_path, caplo
     assert (raw / NAMES[1]).read_bytes() == gzip.decompress((FASHION / f"{NAMES[1]}.gz").read_bytes())
 
 
-@needs_fashion
-def test_mnist_pointed_at_the_fashion_mnist_folder_is_refused_and_nothing_cached(tmp_path):
-    """A new user's slip: data=mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'. Before, it trained on
-    Fashion-MNIST under MNIST's name and cached those files as MNIST for every later run."""
-    with pytest.raises(DataError) as error:
-        data.prepare("mnist", tmp_path, [str(FASHION)])
-    assert "\n" not in str(error.value)
-    assert "its train-images-idx3-ubyte is fashion_mnist's, not mnist's" in str(error.value)
-    assert idx_files(tmp_path / "MNIST" / "raw") == []
-
-
+@pytest.mark.slow
+@pytest.mark.slow  # full-size data
 @needs_fashion
 def test_debians_gz_files_copied_into_raw_are_used(tmp_path):
     raw = tmp_path / "FashionMNIST" / "raw"
@@ -171,30 +161,21 @@ def test_a_url_mirror_goes_through_torchvision_and_its_md5(tmp_path, serve, capl
     assert caplog.messages[-1] == f"mnist: got the IDX files from {good}"  # bad: refused by torchvision's md5
 
 
-def test_offline_error_is_one_helpful_line(tmp_path):
+def test_no_mirrors_offline_writes_nothing_and_names_the_fashion_mnist_route(tmp_path):
+    with pytest.raises(DataError) as error:
+        data.prepare("mnist", tmp_path / "root", [])
+    assert "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'" in str(error.value)
+    assert not (tmp_path / "root").exists()
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url, missing = f"http://127.0.0.1:{port}/", str(tmp_path / "nowhere")
-    with pytest.raises(DataError) as e:
-        data.prepare("fashion_mnist", tmp_path, [url, missing])
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert msg.startswith(f"could not get the fashion_mnist files: tried {url} (Error downloading ")
-    assert f", {missing} ([Errno 2] No such file or directory" in msg
-    assert f"Put the four IDX files in {tmp_path / 'FashionMNIST' / 'raw'}" in msg
-    assert "data.mirrors=[/usr/share/datasets/fashion-mnist]" in msg
-    assert idx_files(tmp_path / "FashionMNIST" / "raw") == []
-
-
-def test_no_mirrors_offline_writes_nothing_and_names_the_fashion_mnist_route(tmp_path):
     with pytest.raises(DataError) as error:
-        data.prepare("mnist", tmp_path / "root", [])
-    assert str(error.value).endswith(
-        "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
-        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
-    assert not (tmp_path / "root").exists()
+        data.prepare("fashion_mnist", tmp_path, [url, missing])
+    message = str(error.value)
+    assert "\n" not in message and url in message and missing in message  # each place it tried
+    assert str(tmp_path / "FashionMNIST" / "raw") in message  # where to put the files
+    assert idx_files(tmp_path / "FashionMNIST" / "raw") == []
 
 
 def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
@@ -207,7 +188,7 @@ def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
 
 
 def test_unknown_dataset_name():
-    with pytest.raises(DataError, match="unknown dataset 'cifar'; valid names: mnist, fashion_mnist"):
+    with pytest.raises(DataError, match="unknown dataset 'cifar'"):
         data.raw_dir("cifar", "/nowhere")
 
 
@@ -241,11 +222,12 @@ def test_load_split_and_to_device(tmp_path, device):
     assert images.dtype == torch.uint8  # the caller's tensor is untouched
 
 
+@pytest.mark.slow
+@pytest.mark.slow  # full-size data
 @needs_fashion
 def test_the_command_with_mnist_on_the_fashion_mnist_folder_ends_in_one_line(tmp_path, cli_in_process):
     code = cli_in_process(
         "data=mnist", f"data.root={tmp_path}/data", f"data.mirrors=[{FASHION}]", f"hydra.run.dir={tmp_path}/run"
     )
-    assert code.startswith(f"error: could not get the mnist files: tried {FASHION} (its train-images-idx3-ubyte is")
     assert "fashion_mnist's, not mnist's" in code and "\n" not in code
     assert idx_files(tmp_path / "data" / "MNIST" / "raw") == [] and not (tmp_path / "run").exists()

@@ -16,23 +16,8 @@ def test_wheel_contains_every_module_and_config(tmp_path):
     # Build from a copy: setuptools writes build/ beside the sources it builds.
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "outputs", "*.egg-info", "build"))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("mnist_dist-*.whl")
     packaged = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"mnist_dist/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}

@@ -1,11 +1,12 @@
-"""Time to accuracy: an exact evaluation every eval_every_steps, a stop at target_accuracy, and the fast recipe."""
+"""Time to accuracy: an exact evaluation every eval_every_steps, a stop at target_accuracy, and the fast recipe
+(what it reaches on Fashion-MNIST: the README's first command, tests/test_readme.py)."""
 
 import json
 import re
 
 import pytest
 import torch
-from helpers import FASHION, compose_config, scalars, validate_here
+from helpers import scalars, validate_here
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
@@ -35,9 +36,13 @@ def results_of(make_config, run_dir, *overrides) -> dict:
     return json.loads((run_dir / "results.json").read_text())
 
 
+@pytest.mark.slow  # ranks in fresh processes
 def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_config, tmp_path):
-    # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it.
-    reached = results_of(make_config, tmp_path / "reached", "target_accuracy=0.3", "eval_every_steps=4")
+    # Tiny data: 10 steps per epoch; the target is low enough that the 4th step's model reaches it. In ddp: every
+    # rank stops at that step (the evaluation is a collective), or the job hangs.
+    reached = results_of(
+        make_config, tmp_path / "reached", "mode=ddp", "gpus=2", "target_accuracy=0.3", "eval_every_steps=4"
+    )
     tb = read_scalars(tmp_path / "reached")
     evaluated = list(tb["test/accuracy"].items())
     first = next(step for step, accuracy in evaluated if accuracy >= 0.3)
@@ -56,6 +61,8 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(make_con
     )
     assert bench.seconds_to(curve, 1.01) is None
 
+
+def test_a_target_not_reached_is_evaluated_every_eval_every_steps_in_training_mode_after(make_config, tmp_path):
     # Evaluations in mid-epoch hand the model back in training mode (TrainModeMLP checks every step).
     trains = "model._target_=test_time_to_accuracy.TrainModeMLP"
     missed = results_of(
@@ -86,7 +93,8 @@ def test_the_fast_recipe_evaluates_several_times_an_epoch_and_that_changes_no_we
     assert every and 234 // every >= 4  # Fashion-MNIST's epoch at batch 256: a curve per mode in TensorBoard
     for name, evaluations in (("epoch_ends", "eval_every_steps=0"), ("often", "eval_every_steps=3")):
         (tmp_path / name).mkdir()
-        launch(make_config("recipe=fast", "epochs=1", "batch_size=64", evaluations), tmp_path / name)
+        narrow = "model.widths=[4,8,8]"  # BatchNorm is what counts, not the width
+        launch(make_config("recipe=fast", narrow, "epochs=1", "batch_size=64", evaluations), tmp_path / name)
     assert len(read_scalars(tmp_path / "often")["test/accuracy"]) > len(
         read_scalars(tmp_path / "epoch_ends")["test/accuracy"]
     )
@@ -102,19 +110,3 @@ def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
     assert len(lr) == 20
     peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not FASHION.exists(), reason="apt-get install dataset-fashion-mnist")
-def test_fast_recipe_reaches_89_percent_on_fashion_mnist_within_one_epoch_in_ddp(tmp_path):
-    # One epoch's schedule, stopped at the target: the run is as short as the recipe allows, and every
-    # rank stops at the same step (evaluation is a collective). Single mode: test_readme trains the same
-    # epoch to the accuracy the README states, and the stop at the target is tested on generated data above.
-    fashion = ("data=fashion_mnist", f"data.mirrors=[{FASHION}]", "recipe=fast", "epochs=1")
-    cfg = compose_config(tmp_path / "data", *fashion, "mode=ddp", "gpus=2", "target_accuracy=0.89")
-    cfg.eval_every_steps = 39  # 6 evaluations in the epoch's 234 steps
-    (tmp_path / "run").mkdir()
-    launch(cfg, tmp_path / "run")
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["test_accuracy"] >= 0.89 and results["world_size"] == 2
-    assert results["steps"] == results["steps_to_target"] <= 234

@@ -12,8 +12,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
-ROOT = Path(__file__).parent.parent
-README = ROOT / "README.md"
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
 
 
