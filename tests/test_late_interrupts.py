@@ -159,7 +159,9 @@ def test_a_ctrl_c_just_after_the_closing_line_says_again_instead_of_repeating_it
         sys.stderr = PressAfterWrite()
         interrupted("the run is complete")
     """
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint
+    )
     assert (done.returncode, done.stderr.splitlines()) == (
         130,
         ["the run is complete", "interrupted again: stopped at once"],
@@ -178,5 +180,7 @@ def test_a_ctrl_c_while_the_at_once_line_is_written_is_not_a_second_line():
         os.kill(os.getpid(), signal.SIGINT)
         signal.pause()
     """
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint
+    )
     assert (done.returncode, done.stderr.splitlines()) == (130, ["stopped"])
