@@ -1,11 +1,10 @@
 """Where a job runs, resolved once (as torchtitan's ``ParallelDims``): the mode, the device, how many processes
-and which one this is. The parent ``resolve``s it and hands each worker its copy (``for_rank``); under torchrun
-or srun each process reads it from its environment (``from_env``). ``setup_process`` sets a process up.
+and which one this is. The parent ``resolve``s it; every worker, whoever started it, reads its own from the
+environment (``from_env``). ``setup_process`` sets a process up.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,8 +16,7 @@ import torch.distributed as dist
 
 import mnist_dist
 from mnist_dist.modes import MODES, world_size
-from mnist_dist.operations import slurm
-from mnist_dist.operations.environment import first_node, launched_ranks, launcher, refuse_batch_step, slurm_port
+from mnist_dist.operations.environment import first_node, launched_ranks, launcher, slurm_port
 from mnist_dist.operations.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,14 +52,9 @@ class Topology:
             return [torch.device(f"cuda:{i}") for i in range(mode.devices(self.gpus))]
         return [self.device]
 
-    def for_rank(self, rank: int) -> Topology:
-        """The topology as worker ``rank`` of a job on one machine sees it."""
-        return dataclasses.replace(self, rank=rank, local_rank=rank)
-
 
 def resolve(cfg: Config) -> Topology:
     """The job's topology from its config, in the parent; a ConfigError says what to change."""
-    refuse_batch_step()
     needed, visible = MODES[cfg.mode.name].devices(cfg.gpus), torch.cuda.device_count()
     kind = device_type(cfg.device, needed, f"gpus={cfg.gpus}", f"use gpus={visible} or device=cpu")
     return _topology(cfg, kind, world_size(cfg), local_world_size=world_size(cfg))
@@ -73,14 +66,12 @@ def from_env(cfg: Config) -> Topology:
     the master): the same worker either way."""
     env, by = os.environ, launcher()
     rank, size, local_rank, local_size = launched_ranks()
-    if by == "srun":
-        # Where rank 0 serves the job's store; every task derives the same port from the job step.
+    if by == "srun":  # env://: rank 0 serves the store; every task derives the same port from the job step
         env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
         env.setdefault("MASTER_PORT", str(cfg.dist.port or slurm_port()))
-    one_each = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
-    needed = 1 if one_each else local_size
+    own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
+    needed = 1 if own_gpu else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
-    own_gpu = one_each and kind == "cuda" and slurm.gpu_of_its_own(local_size)
     return _topology(cfg, kind, size, rank=rank, local_rank=local_rank, local_world_size=local_size, own_gpu=own_gpu)
 
 
@@ -109,7 +100,8 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
-    kernel_policy(deterministic, tf32)
+    deterministic_kernels(deterministic)
+    fp32_precision(tf32)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
         for device in topology.devices:  # one process may run several jobs (compare, tests): each its own peak
@@ -127,13 +119,6 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
             **({"device_id": topology.device} if topology.backend == "nccl" else {}),
         )
     return topology.device
-
-
-def kernel_policy(deterministic: bool, tf32: bool) -> None:
-    """The kernels every training process computes with (the settings of those names); the benchmark's
-    in-process baselines use it too, so that their ratios to the trainer compare the same arithmetic."""
-    deterministic_kernels(deterministic)
-    fp32_precision(tf32)
 
 
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
@@ -162,8 +147,6 @@ def fp32_precision(tf32: bool) -> None:
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
-    if launcher() == "srun":
-        return slurm.rendezvous_store(timeout)
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
     # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
     # So each attempt gets its own keys.

@@ -216,24 +216,6 @@ def test_srun_with_one_gpu_per_task_uses_cuda_0(make_config, monkeypatch, srun_t
     assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:1")
 
 
-def test_srun_tasks_bound_to_a_gpu_each_use_cuda_0(make_config, monkeypatch, srun_task):
-    # --gpu-bind=single:1 without --gpus-per-task: the step holds 4 GPUs, this task sees one of them.
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("SLURM_STEP_GPUS", "0,1,2,3")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:0")
-
-
-def test_srun_tasks_that_share_one_gpu_are_refused_in_one_line(make_config, monkeypatch, srun_task):
-    # 4 tasks, one GPU that each sees (--gres=gpu:1): every task took cuda:0 and NCCL failed later with
-    # "Duplicate GPU detected". How many GPUs a task sees does not say whether they are its own.
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(ConfigError, match="4 srun tasks on this node share the one GPU.*--gpus-per-task=1"):
-        from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
-    assert from_env(make_config("mode=ddp", "gpus=4", "device=cpu")).device == torch.device("cpu")
-
-
 def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 
 from mnist_dist.operations.errors import ConfigError
 
@@ -20,7 +18,7 @@ _SLURM_PORTS = range(15000, 32768)
 
 def launcher() -> str:
     """Who started the workers: "torchrun", "srun", or "" (this process does). srun counts only with more than
-    one task: a one-task job runs as usual, and an sbatch script's batch step is refused (``refuse_batch_step``)."""
+    one task, and an sbatch script's batch step (no SLURM_STEP_ID) starts its workers itself."""
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
         return "torchrun"
     if all(key in os.environ for key in _SLURM) and _whole("SLURM_NTASKS") > 1:
@@ -66,25 +64,10 @@ def launched_ranks() -> tuple[int, int, int, int]:
     return rank, size, local_rank, local_size
 
 
-def refuse_batch_step() -> None:
-    # Taken for a task, the batch step waited dist.timeout_s for peers that no srun started.
-    tasks = os.environ.get("SLURM_NTASKS", "1")
-    if "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" not in os.environ and tasks.isdigit() and int(tasks) > 1:
-        raise ConfigError(
-            f"SLURM_NTASKS={tasks}, but this process is SLURM's batch step, not one of the tasks: start the tasks "
-            "with srun (srun python -m mnist_dist ...), or ask for --ntasks=1 to have mnist_dist start its workers "
-            "itself"
-        )
-
-
-def slurm_job() -> str:
-    """This task's job step, the same in all its tasks and in no other step: "<job id>.<step id>"."""
-    return f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ['SLURM_STEP_ID']}"
-
-
 def slurm_port() -> int:
-    # Hashed: no collision by construction; one that remains fails at once (slurm.rendezvous_store).
-    digest = hashlib.sha256(slurm_job().encode()).digest()
+    """The port every task of this job step derives alike, and no other step (hashed): "<job id>.<step id>"."""
+    step = f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ['SLURM_STEP_ID']}"
+    digest = hashlib.sha256(step.encode()).digest()
     return _SLURM_PORTS[int.from_bytes(digest[:4], "big") % len(_SLURM_PORTS)]
 
 
@@ -94,11 +77,6 @@ def launched_rank() -> int:
 
 
 def first_node(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``scontrol show hostnames`` where SLURM is installed, else the
-    simple forms (``a,b``, ``node[03-05,9]``) read here."""
-    if shutil.which("scontrol"):
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-        if hosts.returncode == 0 and hosts.stdout.split():
-            return hosts.stdout.split()[0]
+    """The first host of a SLURM node list: ``a`` of ``a,b``, ``node03`` of ``node[03-05,9]``."""
     name, bracket = re.match(r"([^,\[]*)(?:\[([^,\-\]]+))?", nodelist).groups()
     return name + (bracket or "")
