@@ -17,7 +17,6 @@ import shutil
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 from mnist_dist.operations.errors import command, exit_on_interrupt
@@ -40,101 +39,76 @@ from mnist_dist.operations.errors import (
     interrupted,
     last_resort,
     raise_on_interrupt,
-    rank_log,
 )
 from mnist_dist.step import TrainingDiverged
 
 
-def main() -> None:
-    """The command: Hydra composes the config from ``sys.argv`` and runs the job in its directory."""
-    _run()
-
-
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
-def _run(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
+    """The command: Hydra composes the config from ``sys.argv`` and runs the job in its directory."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started = time.time()
-    written: list[Path] = []  # where this run writes: run_dir, or the resumed run's directory
-    outcome = Outcome()
+    where = run_dir  # where this run writes: run_dir, or the resumed run's directory
+    fresh = finished = keep_logs = False  # for _tidy
     try:
         raise_on_interrupt()  # Hydra is done composing: from now on `finally` clauses stop the workers
         with ExitStack() as held:
             if not launched_rank():  # under torchrun or srun rank 0 holds it (its run_dir; the others': the cwd)
                 held.enter_context(rundir.owned(run_dir))  # refused while a live run writes there
-                outcome.fresh = rundir.made_for(run_dir)  # read under the lock: another launch may have made it
+                fresh = rundir.made_for(run_dir)  # read under the lock: another launch may have made it
             refuse_unknown_keys(cfg)  # before to_object, which drops them
             config: Config = OmegaConf.to_object(cfg)  # launch checks it (config.validate), once its topology is known
-            written = _directories_written(config, run_dir)
-            if written and written[0].resolve() != run_dir.resolve():  # a resume goes on in its run's directory
-                held.enter_context(rundir.owned(written[0]))
+            if config.resume not in ("", "auto") and not launched_rank():  # it goes on in its run's directory
+                where = checkpoint.locate(config.resume).parent
+                if where.resolve() != run_dir.resolve():
+                    held.enter_context(rundir.owned(where))
             launch(config, run_dir, HydraConfig.get().overrides.task)
-        outcome.finished = True
-        exit_on_interrupt(_interrupted(written or [run_dir], started))  # a Ctrl-C as it exits: at once, one line
-        if preemption.received():  # a Ctrl-C after its last step: the run is complete, and the command interrupted
-            interrupted(_interrupted(written or [run_dir], started), preemption.received())
+        finished = True
+        exit_on_interrupt(_interrupted(where, started))  # a Ctrl-C as it exits: at once, one line
+        if signum := preemption.received():  # a Ctrl-C after its last step: the run is complete, the command not
+            interrupted(_interrupted(where, started), signum)
     except (WorkerFailed, ConfigError, DataError, TrainingDiverged) as error:  # one line: what is wrong, what to do
-        outcome.keep_logs = isinstance(error, WorkerFailed)  # its line names the failed rank's log: the traceback
+        keep_logs = isinstance(error, WorkerFailed)  # its line names the failed rank's log: the traceback
         sys.exit(f"error: {error}")
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe_os_error(error)}")
     except preemption.Stopped as stop:  # a checkpoint at the last step boundary, if a step was done
-        exit_on_interrupt("interrupted again: stopped at once")
         if launcher() == "srun":  # a scheduler's warning: the requeued job goes on with resume=auto
-            sys.stderr.write(f"{stop}\n")
-            sys.exit(preemption.REQUEUE)
-        interrupted(_interrupted(written or [run_dir], started), preemption.received())
+            interrupted(str(stop), status=preemption.REQUEUE)
+        interrupted(_interrupted(where, started), preemption.received())
     except KeyboardInterrupt:
-        interrupted(_interrupted(written or [run_dir], started))
+        interrupted(_interrupted(where, started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
-        outcome.keep_logs = True
-        sys.exit(last_resort(error, rank_log(run_dir / f"rank_{launched_rank()}.log")))
+        keep_logs = True
+        sys.exit(last_resort(error, run_dir / f"rank_{launched_rank()}.log"))
     finally:
-        _tidy(run_dir, outcome)
+        _tidy(run_dir, fresh, finished, keep_logs)
 
 
-@dataclass
-class Outcome:
-    """How the run ended, for ``_tidy``: finished, or failed keeping the logs its error line names; and whether
-    this launch's Hydra made the run directory, found so under its lock (it may then go again)."""
-
-    fresh: bool = False
-    finished: bool = False
-    keep_logs: bool = False
-
-
-def _interrupted(written: list[Path], started: float) -> str:
+def _interrupted(where: Path, started: float) -> str:
     """That the run finished, if it did (since ``started``), else the checkpoint that resume would go on from,
     if there is one (a resumed run's, when resuming)."""
     if launched_rank():
         return f"rank {launched_rank()} interrupted"  # rank 0 says where the run stands
-    results = written[0] / "results.json"  # written last, after model.pt; an older one is an earlier run's
+    results = where / "results.json"  # written last, after model.pt; an older one is an earlier run's
     if results.is_file() and results.stat().st_mtime >= started:
-        return f"interrupted as the run ended; it is complete in {written[0]}"
-    saved = [directory / "checkpoint.pt" for directory in written if (directory / "checkpoint.pt").is_file()]
-    if saved:  # the resume takes the run's own config: nothing to retype (mnist_dist.operations.compatibility)
-        again = shlex.join([sys.executable, "-m", "mnist_dist", f"resume={saved[0].parent}"])
-        return f"interrupted; the last complete checkpoint is {saved[0]}; go on with: {again}"
+        return f"interrupted as the run ended; it is complete in {where}"
+    if (where / "checkpoint.pt").is_file():  # the resume takes the run's own config: nothing to retype
+        again = shlex.join([sys.executable, "-m", "mnist_dist", f"resume={where}"])
+        return f"interrupted; the last complete checkpoint is {where / 'checkpoint.pt'}; go on with: {again}"
     return "interrupted before the first checkpoint; nothing was saved"
 
 
-def _directories_written(config: Config, run_dir: Path) -> list[Path]:
-    # Under torchrun or srun only rank 0 had Hydra create a directory; the others' run_dir is the cwd.
-    if launched_rank():
-        return []
-    explicit = config.resume not in ("", "auto")
-    return [checkpoint.locate(config.resume).parent] if explicit else [run_dir]
-
-
-def _tidy(run_dir: Path, outcome: Outcome) -> None:
-    """Leaves nothing of a run that failed before a checkpoint, so that it shows in no TensorBoard; only the
-    rank logs stay when the error line names one. A directory this launch did not make, or one with a
-    checkpoint, is left as it is; a resume's fresh directory, unused since the run went on in its old one, goes."""
-    if run_dir == Path.cwd() or not run_dir.is_dir() or not outcome.fresh:
+def _tidy(run_dir: Path, fresh: bool, finished: bool, keep_logs: bool) -> None:
+    """Leaves nothing of a run that did not finish and has no checkpoint, so that it shows in no TensorBoard; only
+    the rank logs stay when its error line names one (``keep_logs``). Only a directory this launch's Hydra made
+    (``fresh``, found so under its lock) may go: a resume's, unused since the run went on in its old one, does."""
+    if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
         return
     names = {p.name for p in run_dir.iterdir()}
     unused = names <= rundir.HYDRA_OWN | {rundir.LOCK}  # failed before training, or resumed in its old directory
-    failed = not outcome.finished and "checkpoint.pt" not in names and not launcher()
-    if unused or (failed and not outcome.keep_logs):
+    failed = not finished and "checkpoint.pt" not in names and not launcher()
+    if unused or (failed and not keep_logs):
         rundir.remove(run_dir)
     elif failed:
         for path in run_dir.iterdir():

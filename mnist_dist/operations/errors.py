@@ -36,17 +36,11 @@ def describe_os_error(error: OSError) -> str:
     return str(error)
 
 
-def rank_log(fallback: Path) -> Path:
-    """The log file this process writes (setup_logging opened it), else ``fallback``."""
-    for handler in logging.getLogger("mnist_dist").handlers:
-        if isinstance(handler, logging.FileHandler):
-            return Path(handler.baseFilename)
-    return fallback
-
-
-def last_resort(error: BaseException, log: Path) -> str:
-    """The one line for an error nobody handled; its traceback is appended to ``log`` unless the
-    worker logged it there already."""
+def last_resort(error: BaseException, fallback: Path) -> str:
+    """The one line for an error nobody handled; its traceback is appended to the log this process writes
+    (setup_logging opened it; else ``fallback``) unless the worker logged it there already."""
+    opened = [h for h in logging.getLogger("mnist_dist").handlers if isinstance(h, logging.FileHandler)]
+    log = Path(opened[0].baseFilename) if opened else fallback
     summary = f"{type(error).__name__}: {error}"
     first = summary.splitlines()[0]  # never empty: the type's name leads
     try:
@@ -129,13 +123,13 @@ def _on_stop_signals(handler) -> None:
             signal.signal(signum, handler)
 
 
-def interrupted(message: str, signum: int | None = None) -> NoReturn:
-    """Ends an interrupted command: ``message`` as its one line, and the status a shell gives a process
-    that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
+def interrupted(message: str, signum: int | None = None, status: int | None = None) -> NoReturn:
+    """Ends an interrupted command: ``message`` as its one line, and ``status``, by default the one a shell gives
+    a process that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
     interrupt from a failure (1)."""
     exit_on_interrupt("interrupted again: stopped at once")  # not the same line twice, as a finished run exits
     sys.stderr.write(f"{message}\n")
-    sys.exit(128 + (signum or (_received[0] if _received else signal.SIGINT)))
+    sys.exit(status or 128 + (signum or (_received[0] if _received else signal.SIGINT)))
 
 
 _status: list[int] = []  # the command's exit status, once it has one: the process then ends as _end_now says
