@@ -5,7 +5,7 @@ config goes to config.yaml and the log file), the progress (a tqdm bar in a term
 from __future__ import annotations
 
 import logging
-import os
+import shutil
 import sys
 import threading
 import time
@@ -38,19 +38,6 @@ def summary_line(results: dict) -> str:
     )
 
 
-def terminal_size(stream: TextIO) -> tuple[int, int] | None:
-    """(columns, rows) of the terminal behind ``stream``, 0s replaced by 80x24; None if not a terminal.
-    A pseudo-terminal never given a size (``script``, CI runners, ``docker exec -t``) reports 0x0, and tqdm
-    then prints every refresh as an empty line."""
-    try:
-        if not stream.isatty():
-            return None
-        columns, rows = os.get_terminal_size(stream.fileno())
-    except (AttributeError, OSError, ValueError):
-        return None
-    return columns or 80, rows or 24
-
-
 class Progress:
     """``step()`` after every optimizer step; ``numbers(loss, images_per_s)`` when they are known."""
 
@@ -72,12 +59,13 @@ class Progress:
         self.last_line: float | None = None
         self.loss: float | None = None
         self.images_per_s = 0.0
-        size = terminal_size(stream) if enabled else None
         self.bar = None
-        self.log_lines = enabled and size is None
-        if size:
-            # Fixed size (no dynamic_ncols): tqdm would re-read the terminal's 0 rows at every refresh.
-            self.bar = tqdm(total=total_steps, initial=initial, file=stream, ncols=size[0], nrows=size[1], leave=False)
+        self.log_lines = enabled and not stream.isatty()
+        if enabled and stream.isatty():
+            # shutil's size, not the terminal's own: a pseudo-terminal never given one (``script``, CI runners,
+            # ``docker exec -t``) reports 0x0, and tqdm then prints nothing.
+            columns, rows = shutil.get_terminal_size()
+            self.bar = tqdm(total=total_steps, initial=initial, file=stream, ncols=columns, nrows=rows, leave=False)
             # Log lines (epoch results) go through tqdm.write, above the bar instead of through it.
             self.redirect = logging_redirect_tqdm([log], tqdm_class=tqdm)
             self.redirect.__enter__()

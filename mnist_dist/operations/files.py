@@ -4,7 +4,6 @@ the target, fsync, ``os.replace``.
 
 from __future__ import annotations
 
-import errno
 import glob
 import os
 import secrets
@@ -23,12 +22,11 @@ class Pending(NamedTuple):
 
 @contextmanager
 def atomic(target: Path) -> Iterator[Pending]:
-    """Yields a new temp file ``.<name>.<random>.tmp`` beside ``target``, with the user's umask (mkstemp's 0600 would
-    hide the results from a teammate sharing the directory); once the body returns, it holds the bytes on disk and
-    replaces ``target`` in one step. If the body raises, the temp file goes and ``target`` is as it was. An OSError
-    names ``target`` (a write to a descriptor names no file). A write killed by a signal leaves its temp file: the next
-    write of the same target removes it (run directories and the data root's raw/ are written by one process at a
-    time: the run's lock, prepare's lock)."""
+    """Yields a new temp file ``.<name>.<random>.tmp`` beside ``target``, with the user's umask; once the body
+    returns, it holds the bytes on disk and replaces ``target`` in one step, so that a crash or a signal at any
+    moment leaves the old file or the new one, whole. If the body raises, the temp file goes and ``target`` is as
+    it was. An OSError names ``target`` (a write to a descriptor names no file). A write killed by a signal leaves
+    its temp file: the next write of the same target removes it."""
     target = Path(target)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
         stale.unlink(missing_ok=True)
@@ -39,7 +37,6 @@ def atomic(target: Path) -> Iterator[Pending]:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, target)
-        _fsync_dir(target.parent)
     except OSError as error:
         temp.unlink(missing_ok=True)
         raise OSError(error.errno, error.strerror, str(target)) from None
@@ -56,15 +53,3 @@ def write(target: Path, data: bytes | memoryview) -> None:
 
 def write_text(target: Path, text: str) -> None:
     write(target, text.encode())
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory's entry is on disk too.
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems that cannot sync a directory
-            raise
-    finally:
-        os.close(fd)
