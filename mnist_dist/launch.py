@@ -1,10 +1,7 @@
-"""The one launch path: resolve the topology, validate once, prepare the data, then run the workers.
-
-One worker (``mnist_dist.train.train``), set up in one order, chosen by the mode table (mnist_dist/modes.py):
-a one-process mode runs it here; a mode of one process per device starts them with torch's launcher
-(``mnist_dist.parallel.spawn``, which stops the job when one fails and names the rank); under torchrun or
-srun this process *is* a worker, and does what the parent does for its own (data: under a lock, once).
-Every worker reads its rank, the world's size and the rendezvous from the environment, whoever started it.
+"""The one launch path: resolve the topology, validate once, prepare the data, then run the worker
+(``mnist_dist.train.train``): here in a one-process mode, one per device through torch's launcher
+(``mnist_dist.parallel.spawn``), or, under torchrun or srun, as this process. Every worker reads its rank, the
+world's size and the rendezvous from the environment, whoever started it.
 """
 
 from __future__ import annotations

@@ -35,16 +35,12 @@ def spawn(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits.
 
-    Each has torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
-    MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)`` meets in this process's store,
-    on loopback like gloo's and NCCL's pairs; no port of the job is reachable from the network. ``fn`` and
-    ``args`` must be picklable (in a script, call ``spawn`` under ``if __name__ == "__main__":``).
-
-    A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
+    Each has torchrun's variables (MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)``
+    meets in this process's store, on loopback like gloo's and NCCL's pairs. ``fn`` and ``args`` must be
+    picklable. A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
     ``log_path.format(rank=rank)`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
-    this process's alone (the workers ignore it, get SIGTERM and are waited for).
-    ``start_method="forkserver"`` forks them from one server that imported torch and ``fn``'s module once
-    (CPU only: a fork cannot use its parent's CUDA).
+    this process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"``
+    forks them from one server that imported torch and ``fn``'s module once (CPU only).
     """
     store = _loopback_store(port)
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
@@ -78,11 +74,7 @@ def spawn(
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         raise WorkerFailed(_reason(error, log_path)) from error
     except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in context.processes:
-            process.join()  # another Ctrl-C ends this process at once, and the workers with it
+        _stop(context.processes, grace_s=None)  # another Ctrl-C ends this process at once, and the workers with it
         raise
     finally:
         _stop(context.processes)  # after Ctrl-C in this process: leave no worker
@@ -123,12 +115,13 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_pa
     return f"rank {rank} failed: {reason}{log}"
 
 
-def _stop(processes: list) -> None:
+def _stop(processes: list, grace_s: float | None = _GRACE_S) -> None:
+    """SIGTERM, then SIGKILL to those still alive after ``grace_s`` (None: waits for them)."""
     for process in processes:
         if process.is_alive():
             process.terminate()  # SIGTERM first: a rank blocked in a collective dies at once
     for process in processes:
-        process.join(_GRACE_S)
+        process.join(grace_s)
         if process.is_alive():
             process.kill()  # SIGTERM waits while a process is stopped; SIGKILL does not
             process.join()
