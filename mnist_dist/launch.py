@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 from mnist_dist.config import Config, data_root, validate
@@ -34,10 +34,9 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
     resume changes (the settings they name, and those that differ from the defaults). Without them a setting
     equal to its default counts as not set on resume; every caller in the package passes them.
     """
-    if launcher():  # this process is a rank: a signal stops it at a step boundary, with a checkpoint
-        with preemption.installed(cfg.dist.timeout_s):
-            return _launch(cfg, run_dir, overrides)
-    return _launch(cfg, run_dir, overrides)
+    # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
+    with preemption.installed(cfg.dist.timeout_s) if launcher() else nullcontext():
+        return _launch(cfg, run_dir, overrides)
 
 
 def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None:

@@ -61,9 +61,8 @@ def resolve(cfg: Config) -> Topology:
 
 
 def from_env(cfg: Config) -> Topology:
-    """This process's topology under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) or srun
-    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE; SLURM_NODELIST's first node is
-    the master): the same worker either way."""
+    """This process's topology from the variables its launcher set (torchrun's, srun's, or spawn's as
+    torchrun's): the same worker whoever started it."""
     env, by = os.environ, launcher()
     rank, size, local_rank, local_size = launched_ranks()
     if by == "srun":  # env://: rank 0 serves the store; every task derives the same port from the job step

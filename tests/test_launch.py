@@ -154,11 +154,15 @@ def test_a_stop_mid_epoch_saves_there_and_the_printed_command_ends_as_the_uninte
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU fallback")
-def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(make_config, tmp_path, caplog):
+def test_dp_without_cuda_says_it_runs_the_cpu_equivalent(make_config, tmp_path, caplog, monkeypatch):
+    import mnist_dist.launch as launch_module
+
+    # where it runs is the test, not the training (test_dp trains dp_functional on the CPU)
+    monkeypatch.setattr(launch_module, "train", lambda cfg, run_dir, data_dir, topology: topology)
     with caplog.at_level("WARNING", logger="mnist_dist"):
-        results = launch(make_config("mode=dp_functional", "gpus=2", "epochs=1", "batch_size=32"), tmp_path)
+        ran = launch(make_config("mode=dp_functional", "gpus=2", "epochs=1", "batch_size=32"), tmp_path)
     assert "no CUDA device is visible: mode=dp_functional runs on the CPU in one process" in caplog.text
-    assert results["world_size"] == 1
+    assert (ran.world_size, ran.device_type) == (1, "cpu")
 
 
 def test_a_torchrun_worker_checks_the_config_it_resumes_with_once(make_config, tmp_path, monkeypatch):
