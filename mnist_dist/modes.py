@@ -68,8 +68,6 @@ class TorchDDPMode(ReplicatedMode):
 class DDPMode(ReplicatedMode):
     name: str = "ddp"
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
-    # On gloo, seconds a backward waits for the other ranks before it fails in one line (they ran other steps)
-    peer_wait_s: float = 60.0
 
 
 class Dtype(Enum):
@@ -195,7 +193,6 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
-        peer_wait_s=mode.peer_wait_s,
     )
 
 
