@@ -25,7 +25,6 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch import nn
 
 from mnist_dist.modes import MODES, Processes, compile_refusal
-from mnist_dist.operations import guards
 from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
@@ -152,7 +151,6 @@ def validate(cfg: Config, topology: Topology) -> None:
         )
     if by or mode.processes is Processes.ONE:
         return  # what follows: the workers this process starts, on this machine
-    guards.check_cpu_capacity(topology)
     with socket.socket() as probe:  # dist.port=0 binds any: a free port is picked just before spawning
         try:
             probe.bind(("127.0.0.1", cfg.dist.port))
