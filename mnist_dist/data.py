@@ -49,9 +49,6 @@ _RAW_MD5 = {
     },
 }
 _FILES = tuple(_RAW_MD5["mnist"])
-# What a failing source raises: the network and torchvision (URLError is an OSError; a failed md5 is a
-# RuntimeError), a missing or unreadable file, a broken gzip stream, our md5 check (DataError).
-_SOURCE_ERRORS = (OSError, RuntimeError, EOFError, zlib.error)
 
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
@@ -79,13 +76,6 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
         with FileLock(raw.parent / ".prepare.lock"):
             if not _complete(raw):
                 _fetch(name, raw, sources)
-    for prefix in ("train", "t10k"):
-        n_images, n_labels = (_items(raw / f"{prefix}-{kind}-ubyte") for kind in ("images-idx3", "labels-idx1"))
-        if n_images != n_labels:
-            raise DataError(
-                f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but {prefix}-labels-idx1-ubyte holds "
-                f"{n_labels} labels: put a matching pair there, or delete both to fetch them again"
-            )
     return raw
 
 
@@ -103,7 +93,9 @@ def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
                 _copy(name, _folder(source), raw)
             log.info("%s: got the IDX files from %s", name, source)
             return
-        except _SOURCE_ERRORS as e:
+        # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
+        # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+        except (OSError, RuntimeError, EOFError, zlib.error) as e:
             tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
     raise _missing(name, raw, tried)
 
@@ -164,37 +156,22 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
 
 
 def _read_idx(path: Path, header_len: int) -> torch.Tensor:
-    """The uint8 items after the header (torchvision's reader does the same, but importing it costs a worker
-    seconds)."""
     return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
-
-
-def _items(path: Path) -> int:
-    """The item count an IDX file's header gives, checked against its size: a copy cut short (a download
-    interrupted) is one line here rather than a traceback in every worker."""
-    header_len, item = (16, 784) if "-images-" in path.name else (8, 1)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8)[4:], "big")
-    if (size := path.stat().st_size) != header_len + n * item:
-        raise DataError(
-            f"{path}: {size} bytes, not the {header_len + n * item} its header says: delete it to fetch it again"
-        )
-    return n
 
 
 def to_device_tensors(
     images: torch.Tensor, labels: torch.Tensor, mean: float, std: float, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`. The uint8
-    tensor is moved first (a quarter of the bytes, converted on the device); the first division is out of
-    place, so the caller's tensor is never modified."""
+    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`; the uint8 tensor
+    moves first (a quarter of the bytes), and the caller's is never modified."""
     x = images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std)
     return x, labels.to(device, torch.int64)
 
 
 def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
-    """The number of images of one split, from its IDX header (``prepare`` checked the file)."""
-    return _items(Path(raw_dir) / f"{'train' if train else 't10k'}-images-idx3-ubyte")
+    """The number of images of one split, from its IDX header."""
+    with open(Path(raw_dir) / f"{'train' if train else 't10k'}-images-idx3-ubyte", "rb") as f:
+        return int.from_bytes(f.read(8)[4:], "big")
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

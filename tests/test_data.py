@@ -96,21 +96,6 @@ def test_files_in_raw_are_used_as_they_are_on_a_read_only_root_too(tmp_path):
         subprocess.run(["umount", str(tmp_path)], check=True)
 
 
-@pytest.mark.parametrize(
-    "file, content, key",
-    [
-        ("t10k-images-idx3-ubyte", images_idx(10)[:-100], "t10k-images-idx3-ubyte: 7756 bytes"),  # cut short
-        ("train-labels-idx1-ubyte", labels_idx(19), "train-labels-idx1-ubyte holds 19 labels"),
-    ],
-)
-def test_a_file_cut_short_or_of_another_count_is_one_line_and_left_as_it_is(tmp_path, file, content, key):
-    """A download or copy interrupted: one line in the parent, not a traceback in every worker."""
-    raw = write_set(tmp_path / "MNIST" / "raw", {**idx_set(), file: content}, gz=False)
-    with pytest.raises(DataError, match=key):
-        data.prepare("mnist", tmp_path, mirrors=[])
-    assert (raw / file).read_bytes() == content  # the user's file
-
-
 # --- local folders: accepted by the md5s of the decompressed files ------------------------------
 
 
