@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch import nn
 
-from mnist_dist.modes import MODES, Processes, compile_refusal
+from mnist_dist.modes import MODES, compile_refusal
 from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
@@ -133,7 +133,7 @@ def validate(cfg: Config, topology: Topology) -> None:
             f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
             f"gpus={size})"
         )
-    if by and mode.processes is not Processes.PER_DEVICE:
+    if by and not mode.per_device:
         raise ConfigError(
             f"{by} starts {size} processes but mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
@@ -149,7 +149,7 @@ def validate(cfg: Config, topology: Topology) -> None:
             f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks{micro}; use a multiple of "
             f"{parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
         )
-    if by or mode.processes is Processes.ONE:
+    if by or not mode.per_device:
         return  # what follows: the workers this process starts, on this machine
     with socket.socket() as probe:  # dist.port=0 binds any: a free port is picked just before spawning
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mnist_dist.config import Config, data_root, validate
 from mnist_dist.data import prepare
-from mnist_dist.modes import MODES, Processes
+from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, compatibility, guards, preemption, rundir
 from mnist_dist.operations.console import config_line
 from mnist_dist.operations.environment import launcher
@@ -73,7 +73,7 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if by:
         return train(cfg, run_dir, data_dir, topology)
-    if mode.processes is Processes.ONE:
+    if not mode.per_device:
         return _worker(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
     log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces
