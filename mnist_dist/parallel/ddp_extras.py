@@ -4,8 +4,6 @@
 - ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison.
 """
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -30,12 +28,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
     def _launch_ready_buckets(self, everything: bool = False) -> None:
         if self.overlap or everything:
             super()._launch_ready_buckets(everything)
-
-    def _plan(self, groups: list[list[int]]) -> None:
-        first, _ = not self._buckets, super()._plan(groups)
-        fp16 = any(self._params[i].dtype == torch.float16 for i in self._bucket_of)
-        if first and fp16 and dist.get_backend(self.process_group) == "gloo":  # once: not again at the rebuild
-            warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
 
     def forward(self, *args, **kwargs):
         ranks_in = Join.notify_join_context(self)  # None outside an enabled join()
