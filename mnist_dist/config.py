@@ -124,7 +124,7 @@ _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
     spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
-    launcher's variables and devices as the topology is read, the data's size (guards), a checkpoint (compatibility)."""
+    launcher's variables and devices as the topology is read, the data's size (data), a checkpoint (compatibility)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size

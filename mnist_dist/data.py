@@ -26,7 +26,7 @@ import torch
 from filelock import FileLock
 
 from mnist_dist.operations import files
-from mnist_dist.operations.errors import DataError
+from mnist_dist.operations.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,16 @@ def to_device_tensors(
     return x, labels.to(device, torch.int64)
 
 
-def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
-    """The number of images of one split, from its IDX header."""
-    with open(Path(raw_dir) / f"{'train' if train else 't10k'}-images-idx3-ubyte", "rb") as f:
-        return int.from_bytes(f.read(8)[4:], "big")
+def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
+    """In the parent: a global batch larger than the training set would run zero steps and save an untrained
+    model."""
+    with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
+        images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
+    if batch_size > images:
+        raise ConfigError(
+            f"batch_size={batch_size} is larger than the training set ({images} images): no step would "
+            f"run; use batch_size={images // world_size * world_size} or less"
+        )
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

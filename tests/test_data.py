@@ -197,7 +197,6 @@ def test_load_split_and_to_device(tmp_path, device):
     assert labels.tolist() == list(range(10)) and labels.dtype == torch.int64
     assert images.flatten().tolist() == list(files["t10k-images-idx3-ubyte"][16:])
     assert data.load_split(raw, train=True)[0].shape == (20, 28, 28)
-    assert data.split_size(raw, train=True) == 20
 
     x, y = data.to_device_tensors(images, labels, mean=0.5, std=0.25, device=device)
     assert x.shape == (10, 1, 28, 28) and x.dtype == torch.float32 and x.device.type == device
