@@ -19,8 +19,6 @@ import os
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import torch
 from filelock import FileLock
@@ -63,7 +61,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
 
     Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
     sources are tried in order: .gz files in that folder, then ``mirrors``. A URL goes through torchvision
-    (download, md5 of the upstream archive); a folder or file:// URL is copied only if all four files are
+    (download, md5 of the upstream archive); a folder is copied only if all four files are
     ``name``'s by their md5s, so no other data lands under this name. A second launch sharing ``root`` waits
     on a lock, then finds the files ready. With nothing to try, nothing is written.
     """
@@ -90,7 +88,7 @@ def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
             if source.startswith(("http://", "https://")):
                 _download(name, raw.parent.parent, source)
             else:
-                _copy(name, _folder(source), raw)
+                _copy(name, Path(source).expanduser(), raw)
             log.info("%s: got the IDX files from %s", name, source)
             return
         # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
@@ -109,10 +107,6 @@ def _download(name: str, root: Path, url: str) -> None:
     # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
     mirrored = type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})
     mirrored(root, train=True, download=True)
-
-
-def _folder(source: str) -> Path:
-    return Path(url2pathname(urlparse(source).path) if source.startswith("file://") else source).expanduser()
 
 
 def _copy(name: str, folder: Path, raw: Path) -> None:
