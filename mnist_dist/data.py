@@ -127,16 +127,10 @@ def _copy(name: str, folder: Path, raw: Path) -> None:
 
 
 def _missing(name: str, raw: Path, tried: list[str]) -> DataError:
-    # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
-    debian = (
-        " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
-        if name == "fashion_mnist"
-        else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
+    return DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
+        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
+        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
         "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
-    return DataError(
-        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
-        f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"
     )
 
 
