@@ -24,8 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch import nn
 
-from mnist_dist.modes import MODES, Processes, compile_refusal
-from mnist_dist.operations import guards
+from mnist_dist.modes import MODES, compile_refusal
 from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
@@ -125,7 +124,7 @@ _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
     spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
-    launcher's variables and devices as the topology is read, the data's size (guards), a checkpoint (compatibility)."""
+    launcher's variables and devices as the topology is read, the data's size (data), a checkpoint (compatibility)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
@@ -134,7 +133,7 @@ def validate(cfg: Config, topology: Topology) -> None:
             f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
             f"gpus={size})"
         )
-    if by and mode.processes is not Processes.PER_DEVICE:
+    if by and not mode.per_device:
         raise ConfigError(
             f"{by} starts {size} processes but mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
         )
@@ -150,9 +149,8 @@ def validate(cfg: Config, topology: Topology) -> None:
             f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks{micro}; use a multiple of "
             f"{parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
         )
-    if by or mode.processes is Processes.ONE:
+    if by or not mode.per_device:
         return  # what follows: the workers this process starts, on this machine
-    guards.check_cpu_capacity(topology)
     with socket.socket() as probe:  # dist.port=0 binds any: a free port is picked just before spawning
         try:
             probe.bind(("127.0.0.1", cfg.dist.port))

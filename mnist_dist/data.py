@@ -19,14 +19,12 @@ import os
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import torch
 from filelock import FileLock
 
 from mnist_dist.operations import files
-from mnist_dist.operations.errors import DataError
+from mnist_dist.operations.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +47,6 @@ _RAW_MD5 = {
     },
 }
 _FILES = tuple(_RAW_MD5["mnist"])
-# What a failing source raises: the network and torchvision (URLError is an OSError; a failed md5 is a
-# RuntimeError), a missing or unreadable file, a broken gzip stream, our md5 check (DataError).
-_SOURCE_ERRORS = (OSError, RuntimeError, EOFError, zlib.error)
 
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
@@ -66,7 +61,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
 
     Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
     sources are tried in order: .gz files in that folder, then ``mirrors``. A URL goes through torchvision
-    (download, md5 of the upstream archive); a folder or file:// URL is copied only if all four files are
+    (download, md5 of the upstream archive); a folder is copied only if all four files are
     ``name``'s by their md5s, so no other data lands under this name. A second launch sharing ``root`` waits
     on a lock, then finds the files ready. With nothing to try, nothing is written.
     """
@@ -79,13 +74,6 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
         with FileLock(raw.parent / ".prepare.lock"):
             if not _complete(raw):
                 _fetch(name, raw, sources)
-    for prefix in ("train", "t10k"):
-        n_images, n_labels = (_items(raw / f"{prefix}-{kind}-ubyte") for kind in ("images-idx3", "labels-idx1"))
-        if n_images != n_labels:
-            raise DataError(
-                f"{raw}/{prefix}-images-idx3-ubyte holds {n_images} images but {prefix}-labels-idx1-ubyte holds "
-                f"{n_labels} labels: put a matching pair there, or delete both to fetch them again"
-            )
     return raw
 
 
@@ -100,10 +88,12 @@ def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
             if source.startswith(("http://", "https://")):
                 _download(name, raw.parent.parent, source)
             else:
-                _copy(name, _folder(source), raw)
+                _copy(name, Path(source).expanduser(), raw)
             log.info("%s: got the IDX files from %s", name, source)
             return
-        except _SOURCE_ERRORS as e:
+        # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
+        # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+        except (OSError, RuntimeError, EOFError, zlib.error) as e:
             tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
     raise _missing(name, raw, tried)
 
@@ -117,10 +107,6 @@ def _download(name: str, root: Path, url: str) -> None:
     # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
     mirrored = type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})
     mirrored(root, train=True, download=True)
-
-
-def _folder(source: str) -> Path:
-    return Path(url2pathname(urlparse(source).path) if source.startswith("file://") else source).expanduser()
 
 
 def _copy(name: str, folder: Path, raw: Path) -> None:
@@ -141,16 +127,10 @@ def _copy(name: str, folder: Path, raw: Path) -> None:
 
 
 def _missing(name: str, raw: Path, tried: list[str]) -> DataError:
-    # Offline, Debian's package is the usual way out, for Fashion-MNIST itself or instead of MNIST.
-    debian = (
-        " (Debian: apt-get install dataset-fashion-mnist; data.mirrors=[/usr/share/datasets/fashion-mnist])"
-        if name == "fashion_mnist"
-        else "; or train offline on Fashion-MNIST: apt-get install dataset-fashion-mnist, then "
+    return DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
+        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
+        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
         "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
-    return DataError(
-        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. "
-        f"Put the four IDX files in {raw} or pass data.mirrors=[<dir or url>]{debian}"
     )
 
 
@@ -164,37 +144,28 @@ def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, t
 
 
 def _read_idx(path: Path, header_len: int) -> torch.Tensor:
-    """The uint8 items after the header (torchvision's reader does the same, but importing it costs a worker
-    seconds)."""
     return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
-
-
-def _items(path: Path) -> int:
-    """The item count an IDX file's header gives, checked against its size: a copy cut short (a download
-    interrupted) is one line here rather than a traceback in every worker."""
-    header_len, item = (16, 784) if "-images-" in path.name else (8, 1)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8)[4:], "big")
-    if (size := path.stat().st_size) != header_len + n * item:
-        raise DataError(
-            f"{path}: {size} bytes, not the {header_len + n * item} its header says: delete it to fetch it again"
-        )
-    return n
 
 
 def to_device_tensors(
     images: torch.Tensor, labels: torch.Tensor, mean: float, std: float, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`. The uint8
-    tensor is moved first (a quarter of the bytes, converted on the device); the first division is out of
-    place, so the caller's tensor is never modified."""
+    """Float32 [N, 1, 28, 28] normalised as (x/255 - mean)/std, and int64 labels, on `device`; the uint8 tensor
+    moves first (a quarter of the bytes), and the caller's is never modified."""
     x = images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std)
     return x, labels.to(device, torch.int64)
 
 
-def split_size(raw_dir: str | os.PathLike, train: bool) -> int:
-    """The number of images of one split, from its IDX header (``prepare`` checked the file)."""
-    return _items(Path(raw_dir) / f"{'train' if train else 't10k'}-images-idx3-ubyte")
+def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
+    """In the parent: a global batch larger than the training set would run zero steps and save an untrained
+    model."""
+    with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
+        images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
+    if batch_size > images:
+        raise ConfigError(
+            f"batch_size={batch_size} is larger than the training set ({images} images): no step would "
+            f"run; use batch_size={images // world_size * world_size} or less"
+        )
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ from contextlib import nullcontext, suppress
 from pathlib import Path
 
 from mnist_dist.config import Config, data_root, validate
-from mnist_dist.data import prepare
-from mnist_dist.modes import MODES, Processes
-from mnist_dist.operations import checkpoint, compatibility, guards, preemption, rundir
+from mnist_dist.data import check_batch_fits, prepare
+from mnist_dist.modes import MODES
+from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
 from mnist_dist.operations.console import config_line
 from mnist_dist.operations.environment import launcher
 from mnist_dist.parallel import WorkerFailed, spawn
@@ -64,12 +64,12 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
     data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # under a lock: once per machine
-    guards.check_data_fits(cfg.batch_size, topology.world_size, data_dir, saved)
+    check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", config_line(overrides))
     if by:
         return train(cfg, run_dir, data_dir, topology)
-    if mode.processes is Processes.ONE:
+    if not mode.per_device:
         return _worker(cfg, run_dir, data_dir, topology)
     # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
     log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces

@@ -1,8 +1,6 @@
-"""Honest numbers: images/s per rank and for the job, synchronised, warm-up left out, and the reductions behind them.
-
-Every meter reads the compute stream's clock: CUDA events on the current stream (which nothing waits for when a
-stamp is taken), the host's clock on a CPU. Where a step's time goes is the profiler's to say (``profile=true``).
-"""
+"""Honest numbers: images/s per rank and for the job, synchronised, warm-up left out. Every clock reads the
+compute stream's: CUDA events on the current stream, the host's clock on a CPU. Where a step's time goes is the
+profiler's to say (``profile=true``)."""
 
 from __future__ import annotations
 
@@ -11,15 +9,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-
-
-def all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-    """Reduces a few numbers across ranks (a no-op in one process)."""
-    if not dist.is_initialized():
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
 
 
 def all_gather(values: list[float]) -> list[list[float]]:
@@ -56,8 +45,8 @@ class Stopwatch:
         return event
 
     def between(self, start, end) -> float:
-        """Seconds from stamp ``start`` to the later ``end``. On CUDA it waits for the end's event only, not for the
-        side streams (NCCL's, our DDP's) that torch.cuda.synchronize() would also wait for."""
+        """Seconds from stamp ``start`` to ``end``, waiting on CUDA for the end's event only (not for NCCL's
+        side streams, as torch.cuda.synchronize() would)."""
         if self.first.type != "cuda":
             return end - start
         end.synchronize()
@@ -69,8 +58,7 @@ class Stopwatch:
     def stop(self) -> None:
         self.seconds, self.started = self.read(), None
 
-    def read(self) -> float:
-        """Seconds so far, the interval running now included."""
+    def read(self) -> float:  # the interval running now included
         return self.seconds + (self.between(self.started, self.now()) if self.started is not None else 0.0)
 
 

@@ -19,11 +19,6 @@ from mnist_dist.parallel.fsdp import shard
 from mnist_dist.parallel.syncbn import convert_sync_batchnorm
 
 
-class Processes(Enum):
-    ONE = "one"  # the worker runs in the launching process
-    PER_DEVICE = "per device"  # one worker process per device: `gpus` of them
-
-
 @dataclass
 class SingleMode:
     name: str = "single"
@@ -68,8 +63,6 @@ class TorchDDPMode(ReplicatedMode):
 class DDPMode(ReplicatedMode):
     name: str = "ddp"
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
-    # On gloo, seconds a backward waits for the other ranks before it fails in one line (they ran other steps)
-    peer_wait_s: float = 60.0
 
 
 class Dtype(Enum):
@@ -99,36 +92,21 @@ class Mode:
     name: str  # the choice: mode=<name>, conf/mode/<name>.yaml, results.json's "mode"
     schema: type  # its structured config: the knobs it has, with their defaults
     wrap: Wrap
-    processes: Processes = Processes.ONE
+    # One worker process per device (`gpus` of them) in a process group; else one, the launching process.
+    per_device: bool = False
     all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
     max_gpus: int | None = None  # the most devices the mode can use
-    process_group: bool = False  # needs torch.distributed initialised before wrap
-    # channels_last=true converts the weights too; False keeps them contiguous, as fully_shard requires,
-    # and only the images (so the activations) are NHWC.
-    channels_last_weights: bool = True
     # Said when the mode runs on the CPU because no CUDA device is visible; {world_size} is filled in.
     without_cuda: str = ""
 
     def devices(self, gpus: int) -> int:
         """CUDA devices the job drives for ``gpus``: one per process, or all of them for an all-GPU mode."""
-        if self.all_gpus or self.processes is Processes.PER_DEVICE:
-            return min(gpus, self.max_gpus or gpus)
-        return 1
-
-
-MODES: dict[str, Mode] = {}
-
-
-def register(mode: Mode) -> Mode:
-    """Adds ``mode`` to the table and its structured config to Hydra as ``mode_schema/<name>``."""
-    MODES[mode.name] = mode
-    ConfigStore.instance().store(group="mode_schema", name=mode.name, node=mode.schema(name=mode.name))
-    return mode
+        return min(gpus, self.max_gpus or gpus) if self.all_gpus or self.per_device else 1
 
 
 def world_size(cfg: Any) -> int:
     """Number of worker processes."""
-    return cfg.gpus if MODES[cfg.mode.name].processes is Processes.PER_DEVICE else 1
+    return cfg.gpus if MODES[cfg.mode.name].per_device else 1
 
 
 def compile_refusal(cfg: Any, device_type: str) -> str:
@@ -195,7 +173,6 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
         overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
-        peer_wait_s=mode.peer_wait_s,
     )
 
 
@@ -223,14 +200,21 @@ def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> 
         raise ConfigError(f"mode.{error.args[0]}") from None
 
 
-_DP_ON_CPU = "in one process: DataParallel passes the whole batch through"
-register(Mode("single", SingleMode, _single))
-for _name in ("dp", "dp_block", "dp_functional"):
-    register(Mode(_name, DataParallelMode, _data_parallel, all_gpus=True, without_cuda=_DP_ON_CPU))
-_SPLIT_ON_CPU = "in one process: both parts stay on the CPU"
-register(Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2, without_cuda=_SPLIT_ON_CPU))
-_GLOO = "in {world_size} processes with gloo"
-_PER_DEVICE = {"processes": Processes.PER_DEVICE, "process_group": True, "without_cuda": _GLOO}  # ddp, torch_ddp, fsdp
-register(Mode("ddp", DDPMode, _ddp, **_PER_DEVICE))
-register(Mode("torch_ddp", TorchDDPMode, _torch_ddp, **_PER_DEVICE))
-register(Mode("fsdp", FSDPMode, _fsdp, channels_last_weights=False, **_PER_DEVICE))
+_DP = {"all_gpus": True, "without_cuda": "in one process: DataParallel passes the whole batch through"}
+_SPLIT = {"all_gpus": True, "max_gpus": 2, "without_cuda": "in one process: both parts stay on the CPU"}
+_PER_DEVICE = {"per_device": True, "without_cuda": "in {world_size} processes with gloo"}
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode("single", SingleMode, _single),
+        Mode("dp", DataParallelMode, _data_parallel, **_DP),
+        Mode("dp_block", DataParallelMode, _data_parallel, **_DP),
+        Mode("dp_functional", DataParallelMode, _data_parallel, **_DP),
+        Mode("split", SplitMode, _split, **_SPLIT),
+        Mode("ddp", DDPMode, _ddp, **_PER_DEVICE),
+        Mode("torch_ddp", TorchDDPMode, _torch_ddp, **_PER_DEVICE),
+        Mode("fsdp", FSDPMode, _fsdp, **_PER_DEVICE),
+    )
+}
+for _mode in MODES.values():  # each structured config, as Hydra's mode_schema/<name> (conf/mode/<name>.yaml)
+    ConfigStore.instance().store(group="mode_schema", name=_mode.name, node=_mode.schema(name=_mode.name))

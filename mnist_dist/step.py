@@ -11,7 +11,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from mnist_dist.data import eval_shard
-from mnist_dist.metrics import all_reduce
+from mnist_dist.metrics import all_gather
 from mnist_dist.parallel import buffers_from_rank0, unwrap
 
 
@@ -74,7 +74,7 @@ def evaluate(
         labels = y[start:stop].to(logits.device)
         loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
-    loss_sum, correct = all_reduce([loss_sum, correct])
+    loss_sum, correct = (sum(column) for column in zip(*all_gather([loss_sum, correct])))
     return loss_sum / len(x), correct / len(x)
 
 
@@ -112,16 +112,13 @@ def first_non_finite(tensors: dict) -> str | None:
     return None
 
 
-DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 class Precision:
     """``amp=off|bf16|fp16`` on ``device``. bf16 keeps fp32's exponent range, so it needs no loss
     scaling; fp16 does, or small gradients underflow to zero."""
 
     def __init__(self, amp: str, device: torch.device) -> None:
         self.device_type = device.type
-        self.dtype = DTYPES[amp]
+        self.dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
 
     def autocast(self) -> AbstractContextManager:

@@ -75,7 +75,7 @@ def from_env(cfg: Config) -> Topology:
 
 
 def _topology(cfg: Config, kind: str, size: int, **where: int | bool) -> Topology:
-    backend = ("nccl" if kind == "cuda" else "gloo") if MODES[cfg.mode.name].process_group else None
+    backend = ("nccl" if kind == "cuda" else "gloo") if MODES[cfg.mode.name].per_device else None
     return Topology(cfg.mode.name, kind, size, cfg.gpus, backend=backend, **where)
 
 

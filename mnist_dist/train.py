@@ -21,7 +21,7 @@ from mnist_dist.config import Config
 from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
 from mnist_dist.metrics import Meters, all_gather, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
-from mnist_dist.modes import MODES, wrap_model
+from mnist_dist.modes import wrap_model
 from mnist_dist.operations import checkpoint, files, preemption, profiling
 from mnist_dist.operations.checkpoint import Losses, restore, save_checkpoint
 from mnist_dist.operations.console import Progress
@@ -144,7 +144,8 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     model = instantiate_model(cfg.model)  # a bad model._target_ is one line saying what to do
     if resumed:
         model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
-    if cfg.channels_last and MODES[cfg.mode.name].channels_last_weights:
+    # fully_shard requires contiguous weights: in fsdp only the images (so the activations) are NHWC.
+    if cfg.channels_last and cfg.mode.name != "fsdp":
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model.compile()  # in place: parameter names, hooks and checkpoints stay as they are

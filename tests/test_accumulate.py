@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
-from mnist_dist.parallel import DistributedDataParallel, plain_state_dict
+from mnist_dist.parallel import DistributedDataParallel, unwrap
 from mnist_dist.step import Precision, train_step
 
 STEPS, GLOBAL_BATCH = 5, 32
@@ -22,7 +22,7 @@ def _train(model, batches, accumulate):
     precision = Precision("off", torch.device("cpu"))
     for x, y in batches:
         train_step(model, optimizer, x, y, precision, accumulate)
-    return {k: v.detach().clone() for k, v in plain_state_dict(model).items()}
+    return {k: v.detach().clone() for k, v in unwrap(model).state_dict().items()}
 
 
 def _collectives_of(fn):

@@ -461,23 +461,6 @@ def test_a_fresh_launch_into_an_unfinished_run_says_resume_auto(tiny_root, kept,
         launch(compose_config(tiny_root, "epochs=2", "batch_size=32"), run)
 
 
-@pytest.mark.parametrize("epoch_step", [21, 10**6])  # the epoch has 20 steps: 20 is a preemption at its last step
-def test_a_position_past_the_end_of_its_epoch_is_refused_and_nothing_is_written(tiny_root, kept, tmp_path, epoch_step):
-    # before: the resumed run skipped the rest of epoch 1, trained none of it and exited 0
-    run = tmp_path / "run"
-    run.mkdir()
-    state = checkpoint.load(kept / "checkpoint.1.pt")  # step 10, mid-epoch 1
-    checkpoint.save(
-        {**state, "epoch_step": epoch_step, "step": epoch_step, "format": checkpoint.FORMAT}, run / "checkpoint.pt"
-    )
-    before = contents(run)
-    with pytest.raises(
-        ConfigError, match=f"the checkpoint is {epoch_step} steps into epoch 1, which has 20 steps here"
-    ):
-        launch(compose_config(tiny_root, *SHORT, f"resume={run}"), tmp_path / "new")
-    assert contents(run) == before and not (tmp_path / "new").exists()
-
-
 # --- 10. a per-step schedule plans any number of steps ---------------------------------------------
 
 

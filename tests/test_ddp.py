@@ -28,7 +28,6 @@ def ranks(tmp_path_factory):
             "plans": (plans_and_refreezing,),
             "unused strict": (_both_skip,),
             "unused allowed": (unused_parameter, True),
-            "fp16": (fp16_on_gloo,),
             "buffers True": (batchnorm_buffers, True),
             "buffers False": (batchnorm_buffers, False),
             "signature": (torch_signature,),
@@ -162,21 +161,6 @@ def test_unused_parameter_is_named_unless_allowed(ranks):
 def _both_skip(rank, world_size):
     # Both ranks skip the spare head, so neither waits in a collective the other never joins.
     return unused_parameter(0, world_size, False)
-
-
-def fp16_on_gloo(rank, world_size):
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(TwoHeads().half())
-    with pytest.warns(UserWarning) as caught:
-        for _ in range(2):
-            ddp(torch.randn(4, 8, dtype=torch.half)).sum().backward()
-    return [str(w.message) for w in caught], ddp.module.head.weight.grad.dtype
-
-
-def test_fp16_gradients_on_gloo_warn_once(ranks):
-    for messages, dtype in ranks("fp16"):
-        assert dtype == torch.float16
-        assert len(messages) == 1 and messages[0].startswith("fp16 gradients on gloo")
 
 
 def batchnorm_buffers(rank, world_size, broadcast):

@@ -11,7 +11,7 @@ from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, wrap_model
-from mnist_dist.parallel import plain_state_dict
+from mnist_dist.parallel.state import model_state
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 VARIANTS = ["dp", "dp_block", "dp_functional", "split"]
@@ -53,7 +53,7 @@ def mode(name, **options):
 def test_dp_block_wraps_only_that_block_and_saves_plain_keys():
     model = wrap_model(ConvNet(), mode("dp_block", dp_block="features"), torch.device("cpu"))
     assert isinstance(model.features, nn.DataParallel) and not isinstance(model.classifier, nn.DataParallel)
-    assert list(plain_state_dict(model)) == list(ConvNet().state_dict())
+    assert list(model_state(model)) == list(ConvNet().state_dict())  # what a checkpoint saves
 
 
 def test_unknown_block_names_the_submodules():

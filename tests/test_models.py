@@ -15,7 +15,7 @@ from torch import nn
 from mnist_dist.launch import launch
 from mnist_dist.model import ResNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, _sync_batchnorm, wrap_model
-from mnist_dist.parallel import plain_state_dict
+from mnist_dist.parallel import unwrap
 from mnist_dist.parallel.syncbn import SyncBatchNorm
 
 # 640 tiny images at a global batch of 32: 20 steps, a loss value every 5.
@@ -99,7 +99,7 @@ def test_sync_batchnorm_converts_the_layers_to_ours_on_cpu_and_torchs_on_cuda(on
     for mode in (DDPMode(sync_batchnorm=True), TorchDDPMode(sync_batchnorm=True)):
         synced = wrap_model(ResNet(), mode, torch.device("cpu"))
         assert batchnorms(synced) == [SyncBatchNorm] * 9  # torch's raises on CPU tensors; ours runs on gloo
-        ResNet().load_state_dict(plain_state_dict(synced))  # same keys as BatchNorm's
+        ResNet().load_state_dict(unwrap(synced).state_dict())  # same keys as BatchNorm's
         synced(torch.randn(4, 1, 28, 28)).sum().backward()
     # On CUDA torch's SyncBatchNorm (faster kernels); the conversion is all that runs here without a GPU.
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: self)

@@ -305,36 +305,6 @@ def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_more_cpu_workers_than_memory_holds_are_refused(make_config, tmp_path, monkeypatch):
-    from mnist_dist import launch as launcher
-    from mnist_dist.operations import guards
-
-    def spawn(*args, **kwargs):
-        raise AssertionError("64 workers were started")
-
-    monkeypatch.setattr(launcher, "spawn", spawn)
-    monkeypatch.setattr(guards, "available_memory", lambda: 24 * 2**30, raising=False)
-    with pytest.raises(ConfigError) as error:
-        launch(make_config("mode=ddp", "gpus=64", "device=cpu", "batch_size=64"), tmp_path)
-    assert str(error.value) == (
-        "gpus=64 CPU workers need about 93.8 GiB (1500 MiB each) but 24.0 GiB is available; use gpus=16 or fewer"
-    )
-
-
-def test_more_cpu_workers_than_cores_warn_and_still_run(make_config, monkeypatch, caplog):
-    from mnist_dist.operations import guards
-    from mnist_dist.topology import resolve
-
-    monkeypatch.setattr(guards.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(guards, "available_memory", lambda: 24 * 2**30)
-    with caplog.at_level("WARNING", logger="mnist_dist"):
-        guards.check_cpu_capacity(resolve(make_config("mode=ddp", "gpus=3", "device=cpu", "batch_size=63")))
-        guards.check_cpu_capacity(resolve(make_config("mode=ddp", "gpus=2", "device=cpu")))
-    assert [r.getMessage() for r in caplog.records] == [
-        "gpus=3 CPU workers on 2 cores: each rank gets a share of a core and runs slower"
-    ]
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -8,8 +8,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from mnist_dist.operations import files
-
 STEPS = 5  # profiled steps: enough to see a step's pattern repeat, small enough to open quickly
 
 
@@ -21,14 +19,7 @@ def start(run_dir: Path, rank: int, warmup_steps: int, device: torch.device) -> 
         activities=activities,
         # wait: the warm-up steps (allocator, first buckets); warmup: one step the profiler discards.
         schedule=schedule(wait=warmup_steps, warmup=1, active=STEPS, repeat=1),
-        on_trace_ready=lambda done: _export(done, run_dir / f"trace_rank{rank}.json"),
+        on_trace_ready=lambda done: done.export_chrome_trace(str(run_dir / f"trace_rank{rank}.json")),
     )
     profiler.start()
     return profiler
-
-
-def _export(done: profile, path: Path) -> None:
-    # torch opens the path it is given and follows a link there: it gets a new temp file instead
-    # (files.py), renamed over ``path``.
-    with files.atomic(path) as out:
-        done.export_chrome_trace(str(out.path))

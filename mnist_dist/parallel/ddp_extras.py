@@ -1,13 +1,8 @@
 """The core DistributedDataParallel (ddp.py) with what torch DDP has and the core leaves out, or torch lacks:
 
 - ``join()``, torch DDP's context for ranks with different numbers of batches;
-- ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison;
-- ``peer_wait_s``: on gloo, a backward that waits this long for the other ranks raises, naming the likely cause
-  (uneven steps without ``join()``), where gloo would hang for half an hour.
+- ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison.
 """
-
-import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,15 +13,12 @@ from mnist_dist.parallel.ddp import broadcast_from
 
 
 class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
-    """ddp.DistributedDataParallel's arguments, and ``overlap`` and ``peer_wait_s`` (above)."""
+    """ddp.DistributedDataParallel's arguments, and ``overlap`` (above)."""
 
-    def __init__(self, module, *args, overlap: bool = True, peer_wait_s: float = 60.0, **kwargs) -> None:
+    def __init__(self, module, *args, overlap: bool = True, **kwargs) -> None:
         super().__init__(module, *args, **kwargs)
         Joinable.__init__(self)
-        self.overlap, self._backwards = overlap, 0
-        # NCCL's wait does not block the host (its own watchdog ends a hang); gloo's can end after a while.
-        self._peer_wait = timedelta(seconds=peer_wait_s if dist.get_backend(self.process_group) == "gloo" else 0)
-        self._divide_by_initial_world_size, self._joining = True, False
+        self.overlap, self._divide_by_initial_world_size, self._joining = overlap, True, False
 
     @property
     def bucket_plan(self) -> list[list[str]]:
@@ -37,12 +29,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
         if self.overlap or everything:
             super()._launch_ready_buckets(everything)
 
-    def _plan(self, groups: list[list[int]]) -> None:
-        first, _ = not self._buckets, super()._plan(groups)
-        fp16 = any(self._params[i].dtype == torch.float16 for i in self._bucket_of)
-        if first and fp16 and dist.get_backend(self.process_group) == "gloo":  # once: not again at the rebuild
-            warnings.warn("fp16 gradients on gloo: slow and fp16-rounded sums; prefer bf16 or fp32", stacklevel=4)
-
     def forward(self, *args, **kwargs):
         ranks_in = Join.notify_join_context(self)  # None outside an enabled join()
         self._joining = ranks_in is not None
@@ -51,11 +37,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
             ranks_in.wait()
             self._scale = 1.0 / ranks_in.result()[0].item()
         return output
-
-    def _end_of_backward(self) -> None:
-        synced = bool(self._arrived)
-        super()._end_of_backward()
-        self._backwards += synced  # finished, for the peer wait's message
 
     def _before_module(self, sync: bool) -> None:
         self._scale = 1.0 / self.world_size
@@ -69,20 +50,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
         buffers = list(self.module.buffers())
         if self.forward_sync_buffers and self._sync_buffers_next_forward and buffers:
             broadcast_from(buffers, self._highest_rank(candidate), self.process_group)
-
-    def _wait(self, work: dist.Work) -> None:
-        try:
-            work.wait(self._peer_wait)  # timedelta(0) off gloo: no limit
-        except RuntimeError as error:
-            if not self._peer_wait or "timed out" not in str(error).lower():
-                raise
-            # Worded without "time out": a launcher must not take this rank for one that waited on a stuck peer.
-            raise RuntimeError(
-                f"rank {dist.get_rank()} waited {self._peer_wait.total_seconds():g} s for the other ranks in the "
-                f"all-reduce of its backward pass {self._backwards + 1}, and they never joined it: the ranks ran "
-                "different numbers of steps (a data set that does not split evenly?), or one is stuck. Give every "
-                "rank the same number of batches, or train inside `with model.join():`"
-            ) from None
 
     def _highest_rank(self, candidate: bool) -> int:
         return int(self._all_reduce(dist.get_rank(self.process_group) if candidate else -1, dist.ReduceOp.MAX))

@@ -73,11 +73,11 @@ class FunctionalDataParallel(nn.Module):
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:
     """Wraps ``model`` (or only its submodule ``block``) for data parallelism over ``device_ids``
     (``[]``: a pass-through, on the CPU)."""
-    wrap = (lambda m: FunctionalDataParallel(m, device_ids)) if functional else (lambda m: DataParallel(m, device_ids))
+    wrap = FunctionalDataParallel if functional else DataParallel
     if not block:
-        return wrap(model)
+        return wrap(model, device_ids)
     # The tutorial's block2 case: only this part is replicated; the rest runs on the first device.
-    setattr(model, block, wrap(child(model, block)))
+    setattr(model, block, wrap(child(model, block), device_ids))
     return model
 
 

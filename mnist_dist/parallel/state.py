@@ -47,13 +47,6 @@ def _plain_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state_dict the plain model would have (no ``module.`` from a wrapper, outer or inner), not copied."""
-    model = unwrap(model)
-    names = _plain_names(model)
-    return {names[key]: value for key, value in model.state_dict().items()}
-
-
 def buffers_from_rank0(model: nn.Module) -> None:
     """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none): the BatchNorm statistics a
     checkpoint saves, where each rank's last forward updated its own. Nothing in one process."""

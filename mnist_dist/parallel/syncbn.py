@@ -1,14 +1,9 @@
 """BatchNorm over the global batch on any backend: gloo on CPU included, where torch's SyncBatchNorm raises.
 
-With one BatchNorm per rank, each rank normalises with the statistics of its own share, so N ranks do
-not compute what one process computes on the global batch. Here the forward adds up every rank's per-channel
-sum, sum of squares and count in one all-reduce, and normalises with the global mean and variance; the
-running statistics follow the global batch too, so every rank holds the same ones. The backward adds up
-the two per-channel sums the input's gradient needs (of the gradient, and of the gradient times the
-centred input) in one more all-reduce. The weight's and bias's gradients stay this rank's own: the DDP
-wrapper averages them, as it averages every other parameter's (torch's SyncBatchNorm does the same).
-
-In eval mode, or without a process group of more than one rank, it is a plain BatchNorm.
+The forward all-reduces every rank's per-channel sum, sum of squares and count, and normalises (and updates the
+running statistics) with the global mean and variance; the backward all-reduces the two per-channel sums the
+input's gradient needs. The weight's and bias's gradients stay this rank's own, for the DDP wrapper to average
+(as torch's SyncBatchNorm). In eval mode, or without a process group of more than one rank, a plain BatchNorm.
 """
 
 from __future__ import annotations

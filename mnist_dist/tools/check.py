@@ -30,7 +30,7 @@ from torch import nn
 
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, validate
 from mnist_dist.model import instantiate_model
-from mnist_dist.modes import MODES, Processes, wrap_model
+from mnist_dist.modes import MODES, wrap_model
 from mnist_dist.operations import files
 from mnist_dist.parallel import WorkerFailed, spawn, unwrap
 from mnist_dist.parallel.state import model_state
@@ -72,7 +72,7 @@ def check_modes(cfg: Config) -> tuple[Line, list[str]]:
     variants = {
         name: cfg.mode if name == cfg.mode.name else composed(f"mode={name}").mode
         for name, mode in MODES.items()
-        if mode.processes is Processes.ONE
+        if not mode.per_device
     }
     x, y = random_batch(0, RANKS * BATCH)
     failed, unusable, unused = [], [], []
