@@ -112,13 +112,11 @@ class Config:
     # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
-    keep_checkpoints: int = 2  # checkpoints kept: checkpoint.pt (the newest), checkpoint.1.pt, ...
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
     resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
 _MAX_SEED = 2**32 - 1  # what numpy and most tools accept too
-_MOST_KEPT = 100  # keep_checkpoints: 10**9 planned that many names at the first save (MemoryError)
 _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 
 
@@ -163,7 +161,7 @@ def validate(cfg: Config, topology: Topology) -> None:
 
 
 def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
+    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     if not 0 <= cfg.seed <= _MAX_SEED:
@@ -183,8 +181,6 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"optim.lr={shown} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
-    if cfg.keep_checkpoints > _MOST_KEPT:
-        raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints}: at most {_MOST_KEPT} (each is a full checkpoint)")
     if not 0 <= cfg.dist.port <= 65535:
         raise ConfigError(f"dist.port={cfg.dist.port} must be a TCP port, 1 to 65535, or 0 to pick a free one")
     if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
