@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import MissingConfigException, OverrideParseException
+from hydra.errors import MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch import nn
@@ -29,16 +29,6 @@ from mnist_dist.operations import guards
 from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
-
-__all__ = [
-    "Amp",
-    "Config",
-    "ConfigError",
-    "Device",
-    "describe_hydra_error",
-    "refuse_unknown_keys",
-    "validate",
-]
 
 
 class Amp(StrEnum):
@@ -246,26 +236,18 @@ def data_root(cfg: Config) -> str:
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """Hydra's composition errors span several lines; the same in one, from the exception's fields (its text is
-    read no further than its first line)."""
-    if isinstance(error, MissingConfigException) and error.options is not None:
-        # mode=foo: name the group's options rather than Hydra's search path
+    """Hydra's composition errors span several lines; the same in one: its first line and its cause's, which names
+    the key (with the schema's keys), or a group's options where a choice is none of them."""
+    if isinstance(error, MissingConfigException) and error.options is not None:  # mode=foo
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
-    if isinstance(error, OverrideParseException):  # an em dash, a space: the grammar takes them quoted
-        return f"{error.override}: not an override Hydra can parse; quote the value: key='value'"
-    message = str(error).splitlines()[0].rstrip(".")
-    cause = error.__cause__
+    message, cause = str(error).splitlines()[0].rstrip("."), error.__cause__
     if isinstance(cause, OmegaConfBaseException):
         message += f": {cause.msg.splitlines()[0]}"
-    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        schema = cause.object_type
-        if dataclasses.is_dataclass(schema):
-            fields = [f.name for f in dataclasses.fields(schema)]
-            guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
-            message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
-        else:  # model, optim, scheduler: a constructor's arguments, any of which may be added
-            message += f"; +{cause.full_key}=... adds it"
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and dataclasses.is_dataclass(cause.object_type):
+        fields = [f.name for f in dataclasses.fields(cause.object_type)]
+        guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
+        message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
     return message
 
 
