@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -165,33 +166,21 @@ def _copy(run_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "resume, epochs, message",
-    [
-        (
-            "checkpoint.1.pt",
-            3,
-            "resume: the checkpoint's OneCycleLR plans the learning rate over epochs=2 at batch_size=128, this run "
-            "over epochs=3 at batch_size=128; a schedule over all steps cannot change length: resume with "
-            "epochs=2 batch_size=128, or start a new run",
-        ),
-        (
-            "checkpoint.pt",
-            3,
-            "resume: the checkpoint has finished epoch 2 of 2, and its OneCycleLR schedule ended there; start a "
-            "new run to train longer",
-        ),
-    ],
+    "resume, done",
+    [("checkpoint.1.pt", "1 of them done"), ("checkpoint.pt", "2 of them done")],
     ids=["mid-run", "finished"],
 )
 def test_a_per_step_schedule_of_another_length_is_refused_and_nothing_is_written(
-    tiny_root, fast_run, tmp_path, resume, epochs, message
+    tiny_root, fast_run, tmp_path, resume, done
 ):
     run_dir = _copy(fast_run, tmp_path)
     before = tree(run_dir)
-    overrides = (*FAST, f"epochs={epochs}", f"resume={run_dir / resume}")
+    overrides = (*FAST, "epochs=3", f"resume={run_dir / resume}")
     with pytest.raises(ConfigError) as error:
         launch(compose_config(tiny_root, *overrides), tmp_path / "new", overrides)
-    assert str(error.value) == message
+    assert re.match(
+        f"resume: the checkpoint's OneCycleLR plans .* over epochs=2 at batch_size=128, {done};", str(error.value)
+    )
     assert tree(run_dir) == before and not (tmp_path / "new").exists()
 
 

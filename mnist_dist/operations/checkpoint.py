@@ -140,7 +140,6 @@ class Losses:
         return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
 
     def advice(self) -> str:
-        """What a divergence error says to do."""
         if self.good_checkpoint is None:
             return "lower optim.lr or check the data (no checkpoint was written before it)"
         path, step = self.good_checkpoint

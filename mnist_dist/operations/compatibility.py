@@ -131,18 +131,12 @@ def _shown(settings: dict, path: str) -> str:
 def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
     # A schedule over all steps (OneCycleLR) plans the checkpoint's epochs x steps per epoch: resumed with
     # another length it would step past its plan (an error after the run directory was written to) or stop short.
-    name = str(cfg.scheduler.get("_target_", "scheduler")).rsplit(".", 1)[-1]
-    if state["epoch"] >= saved["epochs"]:
+    if state["epoch"] >= saved["epochs"] or (saved["epochs"], saved["batch_size"]) != (cfg.epochs, cfg.batch_size):
+        name = str(cfg.scheduler.get("_target_", "scheduler")).rsplit(".", 1)[-1]
         raise ConfigError(
-            f"resume: the checkpoint has finished epoch {state['epoch']} of {saved['epochs']}, and its {name} "
-            "schedule ended there; start a new run to train longer"
-        )
-    if (saved["epochs"], saved["batch_size"]) != (cfg.epochs, cfg.batch_size):
-        raise ConfigError(
-            f"resume: the checkpoint's {name} plans the learning rate over epochs={saved['epochs']} at "
-            f"batch_size={saved['batch_size']}, this run over epochs={cfg.epochs} at batch_size={cfg.batch_size}; "
-            f"a schedule over all steps cannot change length: resume with epochs={saved['epochs']} "
-            f"batch_size={saved['batch_size']}, or start a new run"
+            f"resume: the checkpoint's {name} plans the learning rate over epochs={saved['epochs']} at batch_size="
+            f"{saved['batch_size']}, {state['epoch']} of them done; a schedule over all steps cannot change length: "
+            "resume a checkpoint from before its end with those settings, or start a new run"
         )
 
 
