@@ -212,11 +212,11 @@ def _check_model(model: dict) -> None:
             )
 
 
-def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
+def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
     """A key that ``+key=...`` added where the schema has none: OmegaConf.to_object would drop it silently
     (``+num_workers=2`` trained as if never said). model, optim and scheduler take any key (their
     constructors' arguments); the other groups are dataclasses."""
-    schema = schema or OmegaConf.get_type(cfg)
+    schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return
     fields = [f.name for f in dataclasses.fields(schema)]
@@ -226,9 +226,8 @@ def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") 
                 f"+{prefix}{key}: {schema.__name__} has no setting {key!r}, so it would be ignored; valid keys: "
                 f"{', '.join(fields)}"
             )
-        child = cfg._get_node(key)
-        if isinstance(child, DictConfig):
-            refuse_unknown_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
+        if isinstance(child := cfg._get_node(key), DictConfig):
+            refuse_unknown_keys(child, f"{prefix}{key}.")
 
 
 def data_root(cfg: Config) -> str:

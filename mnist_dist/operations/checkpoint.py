@@ -177,10 +177,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "config": run.config_yaml,
             "format": FORMAT,
         }
-        # checkpoint.pt becomes the previous one only if it is known good (written, or resumed from): one that
-        # resume=auto skipped is replaced, never kept in place of the one the run went on from.
-        good = run.losses.good_checkpoint is not None and run.losses.good_checkpoint[0] == path
-        save(saved, path, keep_previous=good)
+        save(saved, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
 
 
