@@ -29,35 +29,25 @@ REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
 CLASS_KEYS = {"mode.name", "model._target_", "optim._target_", "scheduler._target_"}
 
 
-def _plain(state: dict) -> Any:
+def saved_config(state: dict) -> dict:
+    """The checkpoint's config as plain data, never through OmegaConf, whose interpolations and resolvers
+    (``${oc.env:...}``, or any registered resolver) a crafted file would run; refused unless the settings the
+    resume checks read are there, of their types."""
     try:
-        return yaml.safe_load(state["config"])  # plain data only
-    except Exception:  # not YAML: the same to the user as a config of another program
-        return None
-
-
-def saved_settings(state: dict) -> dict:
-    """What the resume check compares, from the checkpoint's config read as plain data: model, batch_size,
-    epochs, the data set's name and the mode's. Never through OmegaConf, whose interpolations and resolvers
-    (``${oc.env:...}``, or any registered resolver) a crafted file would run."""
-    saved = _plain(state)
-    try:
-        settings = {key: saved[key] for key in ("model", "batch_size", "epochs")}
-        settings |= {"data": saved["data"]["name"], "mode": saved["mode"]["name"]}
-    except Exception:  # not a mapping, a key missing: the same to the user
-        settings = {}
-    kinds = {"model": dict, "batch_size": int, "epochs": int, "data": str, "mode": str}
-    if not all(type(settings.get(key)) is kind for key, kind in kinds.items()):  # bool is no batch size
+        saved = yaml.safe_load(state["config"])  # plain data only
+        read = (saved["model"], saved["batch_size"], saved["epochs"], saved["data"]["name"], saved["mode"]["name"])
+    except Exception:  # not YAML, not a mapping, a key missing: the same to the user
+        read = ()
+    if tuple(map(type, read)) != (dict, int, int, str, str):  # bool is no batch size
         raise ConfigError(REFUSED.format("is not a mnist_dist config"))
-    return settings
+    return saved
 
 
 def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> Config:
     """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's, as launch passes
     them) name. A group whose class they change (``model=resnet``) is the command's whole; so is everything
     for ``recipe=``, whose package is the whole config."""
-    saved_settings(state)  # the parts every check reads are there, of their types
-    saved, mine = _plain(state), _container(cfg)
+    saved, mine = saved_config(state), _container(cfg)
     if "${" in str(saved):  # an interpolation is never resolved: refused
         raise ConfigError(REFUSED.format("is not a mnist_dist config"))
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
@@ -96,8 +86,8 @@ def check_resumable(state: dict, cfg: Config) -> None:
     """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
     the run could not restore: checked before anything is written, on a config that passed config.validate.
     Another mode or world size is said in one line."""
-    saved = saved_settings(state)
-    before = _settings(saved["model"], saved["batch_size"], saved["data"])
+    saved = saved_config(state)
+    before = _settings(saved["model"], saved["batch_size"], saved["data"]["name"])
     after = _settings(_container(cfg)["model"], cfg.batch_size, cfg.data.name)
     changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
     if changed and not cfg.resume_allow_changes:
@@ -114,7 +104,7 @@ def check_resumable(state: dict, cfg: Config) -> None:
             f"pass epochs={state['epoch'] + 1} or more to train further"
         )
     # Another mode or world size is no change, only said: the global batches, and so the training, are the same.
-    now, then = (cfg.mode.name, world_size(cfg)), (saved["mode"], state["world_size"])  # launch set gpus to what runs
+    now, then = (cfg.mode.name, world_size(cfg)), (saved["mode"]["name"], state["world_size"])  # gpus: what runs
     if now != then:
         said = (
             "resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d: the same global batches follow"
