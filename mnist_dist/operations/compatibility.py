@@ -5,6 +5,7 @@ interpolation, no resolver.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +48,7 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
     """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's, as launch passes
     them) name. A group whose class they change (``model=resnet``) is the command's whole; so is everything
     for ``recipe=``, whose package is the whole config."""
-    saved, mine = saved_config(state), _container(cfg)
+    saved, mine = saved_config(state), dataclasses.asdict(cfg)
     if "${" in str(saved):  # an interpolation is never resolved: refused
         raise ConfigError(REFUSED.format("is not a mnist_dist config"))
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
@@ -71,10 +72,6 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
         raise ConfigError(REFUSED.format("is not a mnist_dist config")) from None
 
 
-def _container(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-
-
 _NONE = object()
 
 
@@ -88,7 +85,7 @@ def check_resumable(state: dict, cfg: Config) -> None:
     Another mode or world size is said in one line."""
     saved = saved_config(state)
     before = _settings(saved["model"], saved["batch_size"], saved["data"]["name"])
-    after = _settings(_container(cfg)["model"], cfg.batch_size, cfg.data.name)
+    after = _settings(cfg.model, cfg.batch_size, cfg.data.name)
     changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
     if changed and not cfg.resume_allow_changes:
         changes = "; ".join(f"{path} {_shown(before, path)} -> {_shown(after, path)}" for path in changed)

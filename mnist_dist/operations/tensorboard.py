@@ -46,11 +46,15 @@ def tb_dir(run_dir: Path) -> Path:
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar the run logged, ``{tag: {step: value}}`` in step order: the one reader of the tags above
     (compare, bench and the tests read runs through it)."""
+    return {tag: {e.step: e.value for e in events} for tag, events in _scalar_events(tb_dir(run_dir)).items()}
+
+
+def _scalar_events(directory: Path) -> dict[str, list]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: every event, not a sample
     events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
 
 
 def window_tags(gathered: list[list[float]]) -> dict[str, float]:
@@ -86,12 +90,13 @@ class Scalars:
             return self._writer
         # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
         old = sorted(self.directory.glob("events.out.tfevents.*"))
-        kept = _scalars_up_to(self.directory, *self.resumed_at) if self.resumed_at and old else {}
+        kept = _scalar_events(self.directory) if self.resumed_at and old else {}
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
             self._writer.add_custom_scalars(LAYOUT)
             for tag, events in kept.items():
-                for event in events:
+                up_to = self.resumed_at[1] if tag in TIME_AXIS else self.resumed_at[0]
+                for event in (event for event in events if event.step <= up_to):
                     self._writer.add_scalar(tag, event.value, event.step, walltime=event.wall_time)
             self._writer.flush()
         for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
@@ -129,13 +134,3 @@ class Scalars:
             writer, self._writer = self._writer, None
             with self._naming_the_directory():
                 writer.close()
-
-
-def _scalars_up_to(directory: Path, step: int, train_ms: float) -> dict[str, list]:
-    """The scalar events in ``directory`` up to ``step`` (up to ``train_ms`` on the time axis), by tag."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
-    events.Reload()
-    limit = {tag: train_ms if tag in TIME_AXIS else step for tag in events.Tags()["scalars"]}
-    return {tag: [e for e in events.Scalars(tag) if e.step <= up_to] for tag, up_to in limit.items()}
