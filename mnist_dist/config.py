@@ -198,10 +198,7 @@ def _check_model(model: dict) -> None:
         raise ConfigError(
             f"model._target_={target} is not a torch.nn.Module class; name one, e.g. mnist_dist.model.ConvNet"
         )
-    try:
-        parameters = inspect.signature(factory).parameters
-    except ValueError:  # no signature to read (a C function): the worker's instantiate says what fails
-        return
+    parameters = inspect.signature(factory).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     for key in model:

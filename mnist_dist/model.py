@@ -109,8 +109,7 @@ class FastNet(nn.Module):
 
 
 def instantiate_model(model_cfg) -> nn.Module:
-    """``instantiate(model_cfg)``; a factory that builds no Module is a ConfigError. The parent has already
-    checked the target and its arguments (config.validate)."""
+    """``instantiate(model_cfg)``, refused unless it built a Module (config.validate checked the rest)."""
     model = instantiate(model_cfg)
     if not isinstance(model, nn.Module):
         raise ConfigError(

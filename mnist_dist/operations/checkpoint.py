@@ -54,11 +54,7 @@ def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         os.fsync(pending.file.fileno())
         # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
         if keep_previous and path.exists():
-            os.replace(path, previous(path))
-
-
-def previous(path: Path) -> Path:
-    return path.with_suffix(".1.pt")
+            os.replace(path, path.with_suffix(".1.pt"))
 
 
 def locate(resume: str) -> Path:
@@ -74,13 +70,11 @@ def locate(resume: str) -> Path:
 
 
 def load(path: Path) -> dict:
-    """The checkpoint at ``path``, or a one-line ConfigError saying why not (and naming the previous one)."""
+    """The checkpoint at ``path``, or a one-line ConfigError saying why not."""
     try:
         return _read(path)
     except ConfigError as why:
-        older = previous(path)
-        hint = f"; an older checkpoint is {older} (resume=auto falls back to it)" if older.is_file() else ""
-        raise ConfigError(f"resume={path}: {why}{hint}") from None
+        raise ConfigError(f"resume={path}: {why}") from None
 
 
 def _read(path: Path) -> dict:
@@ -109,7 +103,7 @@ def newest_readable(run_dir: Path) -> Path | None:
     one line); None when there is none, a ConfigError when none can be read. A torchrun restart or a SLURM requeue
     runs the same command again: refusing would fail every attempt alike."""
     skipped = []
-    for path in (run_dir / NEWEST, previous(run_dir / NEWEST)):
+    for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
         if not path.exists():
             continue
         try:

@@ -23,7 +23,7 @@ from mnist_dist.parallel.state import load_optimizer_state
 
 log = logging.getLogger("mnist_dist")
 
-REFUSED = "resume: the checkpoint's config {}; resume another checkpoint.pt"
+REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
 
 
 # The keys that name a group's class: another class brings its own keys
@@ -40,7 +40,7 @@ def saved_config(state: dict) -> dict:
     except Exception:  # not YAML, not a mapping, a key missing: the same to the user
         read = ()
     if tuple(map(type, read)) != (dict, int, int, str, str):  # bool is no batch size
-        raise ConfigError(REFUSED.format("is not a mnist_dist config"))
+        raise ConfigError(REFUSED)
     return saved
 
 
@@ -50,7 +50,7 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
     for ``recipe=``, whose package is the whole config."""
     saved, mine = saved_config(state), dataclasses.asdict(cfg)
     if "${" in str(saved):  # an interpolation is never resolved: refused
-        raise ConfigError(REFUSED.format("is not a mnist_dist config"))
+        raise ConfigError(REFUSED)
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
     keys = set(mine) if "recipe" in keys else {key.split(".")[0] if key in CLASS_KEYS else key for key in keys}
     try:
@@ -69,7 +69,7 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
         conf.mode = OmegaConf.merge(OmegaConf.structured(MODES[name].schema(name=name)), saved.pop("mode"))
         return OmegaConf.to_object(OmegaConf.merge(conf, saved))  # typed: a wrong type or unknown key fails
     except Exception:
-        raise ConfigError(REFUSED.format("is not a mnist_dist config")) from None
+        raise ConfigError(REFUSED) from None
 
 
 _NONE = object()
@@ -80,15 +80,15 @@ def _settings(model: dict, batch_size: int, data: str) -> dict[str, Any]:
 
 
 def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses to continue a run with a different model, global batch or data, unless told to, and anything
-    the run could not restore: checked before anything is written, on a config that passed config.validate.
-    Another mode or world size is said in one line."""
+    """Refuses, before anything is written, a resume with another model, global batch or data (unless told to)
+    or one the run could not restore; another mode or world size is said in one line."""
     saved = saved_config(state)
     before = _settings(saved["model"], saved["batch_size"], saved["data"]["name"])
     after = _settings(cfg.model, cfg.batch_size, cfg.data.name)
     changed = [path for path in {**before, **after} if before.get(path, _NONE) != after.get(path, _NONE)]
     if changed and not cfg.resume_allow_changes:
-        changes = "; ".join(f"{path} {_shown(before, path)} -> {_shown(after, path)}" for path in changed)
+        # repr, at most 200 characters: a crafted value must not break the one line, nor fill a screen
+        changes = "; ".join(f"{path} {before.get(path)!r:.200} -> {after.get(path)!r:.200}" for path in changed)
         raise ConfigError(
             f"resume: this command changes what the checkpoint was trained with ({changes}); leave that out to go on "
             "with the run's own, or add resume_allow_changes=true if it is intended"
@@ -107,12 +107,6 @@ def check_resumable(state: dict, cfg: Config) -> None:
             "resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d: the same global batches follow"
         )
         log.info(said, *now, *then)
-
-
-def _shown(settings: dict, path: str) -> str:
-    # a crafted value must not break the one line, nor fill a screen
-    text = str(settings.get(path, "(none)")).replace("\n", "\\n")
-    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 def _check_plan(state: dict, saved: dict, cfg: Config) -> None:
