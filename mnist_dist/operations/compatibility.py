@@ -63,7 +63,6 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
                 target[last] = source[last]
             else:  # ~model.dropout
                 target.pop(last, None)
-        saved["resume"] = cfg.resume
         conf = OmegaConf.structured(Config)
         name = saved["mode"]["name"]
         conf.mode = OmegaConf.merge(OmegaConf.structured(MODES[name].schema(name=name)), saved.pop("mode"))
