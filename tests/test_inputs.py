@@ -22,7 +22,6 @@ from mnist_dist.topology import from_env
         ("dist.port=70000", "dist.port=70000 must be a TCP port, 1 to 65535, or 0 to pick a free one"),
         ("dist.timeout_s=100000000000000", "dist.timeout_s=100000000000000 must be from 1 to 604800 (seconds: a week)"),
         ("mode=torch_ddp mode.bucket_cap_mb=nan", "mode.bucket_cap_mb=nan must be positive (MiB), or null"),
-        ("keep_checkpoints=1000000000", "keep_checkpoints=1000000000: at most 100 (each is a full checkpoint)"),
         ("optim.lr=nan", "optim.lr=nan must be a finite positive number"),
         ("optim.lr=inf", "optim.lr=inf must be a finite positive number"),
         ("dist.timeout_s=0", "dist.timeout_s=0 must be from 1 to 604800 (seconds: a week)"),

@@ -10,9 +10,9 @@ from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint
 from mnist_dist.tools.compare import compare
 
-# 2 epochs of 10 steps, a checkpoint every 3 steps: saved at 3, 6, 9, 10 (epoch end), 12, 15, 18, 20; the 3
-# kept are 20, 18 and 15. Dropout stays on: resuming must restore the random state too.
-SHORT = ("epochs=2", "batch_size=64", "log_every=1", "checkpoint_every_steps=3", "keep_checkpoints=3")
+# 2 epochs of 10 steps, a checkpoint every 5 steps: saved at 5, 10 (epoch end), 15, 20; the 2 kept are 20
+# and 15. Dropout stays on: resuming must restore the random state too.
+SHORT = ("epochs=2", "batch_size=64", "log_every=1", "checkpoint_every_steps=5")
 
 
 def run(make_config, run_dir, *overrides):
@@ -55,9 +55,9 @@ def test_resume_equals_uninterrupted_and_the_same_config_twice_gives_the_same_ru
     after_one = (part / "checkpoint.pt").read_bytes()
     # Finish the run, then pretend it crashed during epoch 2 after logging: the checkpoint is the
     # epoch-1 one again while TensorBoard already holds epoch 2. Resuming must not duplicate steps.
-    launch(make_config(*SHORT, f"resume={part}"), tmp_path / "unused")
+    launch(make_config(*SHORT, f"resume={part}"), tmp_path / "unused", SHORT)
     (part / "checkpoint.pt").write_bytes(after_one)
-    launch(make_config(*SHORT, f"resume={part}/checkpoint.pt"), tmp_path / "unused")
+    launch(make_config(*SHORT, f"resume={part}/checkpoint.pt"), tmp_path / "unused", SHORT)
     assert not (tmp_path / "unused").exists()  # resumed runs go on in their own directory
     assert_same_weights(torch.load(part / "model.pt"), whole_weights)
     resumed = scalars(part)
@@ -69,11 +69,11 @@ def test_resume_equals_uninterrupted_and_the_same_config_twice_gives_the_same_ru
 @pytest.mark.slow
 def test_mid_epoch_resume_equals_uninterrupted(make_config, whole, tmp_path):
     whole_dir, whole_weights, whole_scalars = whole
-    kept = ["checkpoint.1.pt", "checkpoint.2.pt", "checkpoint.pt"]
+    kept = ["checkpoint.1.pt", "checkpoint.pt"]
     assert sorted(p.name for p in whole_dir.glob("checkpoint*")) == kept
-    state = checkpoint.load(whole_dir / "checkpoint.2.pt")
+    state = checkpoint.load(whole_dir / "checkpoint.1.pt")
     assert (state["epoch"], state["epoch_step"], state["step"]) == (1, 5, 15)  # mid-epoch 2
-    (tmp_path / "checkpoint.pt").write_bytes((whole_dir / "checkpoint.2.pt").read_bytes())
+    (tmp_path / "checkpoint.pt").write_bytes((whole_dir / "checkpoint.1.pt").read_bytes())
     resumed_weights, resumed = run(make_config, tmp_path, "resume=auto")
     assert_same_weights(resumed_weights, whole_weights)
     assert resumed["rank_0/train/loss"] == whole_scalars["rank_0/train/loss"][15:]  # steps 16 to 20, dropout on

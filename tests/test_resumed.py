@@ -85,5 +85,6 @@ def test_a_resume_that_fails_before_its_first_step_leaves_the_history_as_it_was(
         interrupted_at(-1, monkeypatch)  # never: the resume below fails in its first step instead
         monkeypatch.setattr(train, "train_step", lambda *args: (_ for _ in ()).throw(RuntimeError("broken")))
         with pytest.raises(RuntimeError, match="broken"):
-            launch(compose_config(tiny_root, *STEPS, "epochs=3", f"resume={out / 'whole'}"), tmp_path / "unused")
+            resumed = (*STEPS, "epochs=3", f"resume={out / 'whole'}")
+            launch(compose_config(tiny_root, *resumed), tmp_path / "unused", resumed)
     assert scalars(out / "whole") == logged

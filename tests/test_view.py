@@ -57,8 +57,8 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
     written, tensors = tags(tb_dir(ddp))
     assert written >= GLOBAL_TAGS | {"rank_0/train/loss", "rank_1/train/loss"}
     assert "custom_scalars__config__" in tensors
-    for _, _, charts in LAYOUT:  # every chart of the layout has something to show
-        for title, regex in charts:
+    for charts in LAYOUT.values():  # every chart of the layout has something to show
+        for title, (_, (regex,)) in charts.items():
             assert any(re.search(regex, tag) for tag in written), title
     listed = set(re.findall(r"`(?:rank_<r>/)?([a-z_]+/[a-z_]+)`", TAGS_PAGE.read_text()))
     named = {re.sub(r"^rank_\d+/", "", tag) for tag in written}

@@ -1,8 +1,7 @@
 """Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and the files that hold it.
 
 - Written whole or not at all: ``torch.save`` into memory, then a temporary file that replaces ``checkpoint.pt``
-  (``files.atomic``). The ``keep_checkpoints - 1`` it replaced stay as ``checkpoint.1.pt`` (the newest), ... for
-  when the newest is unusable: renamed once the new bytes are written.
+  (``files.atomic``); the one it replaced stays as ``checkpoint.1.pt``, for when the newest is unusable.
 - Never from weights that are not finite: a diverged run keeps its last good checkpoint.
 - Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a file cannot run code.
 - Model and optimizer state in every mode through ``torch.distributed.checkpoint.state_dict`` (parallel/state.py),
@@ -19,9 +18,7 @@ import logging
 import os
 import pickle
 import random
-import zipfile
 from dataclasses import dataclass, field
-from itertools import count, takewhile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,34 +33,28 @@ from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
 if TYPE_CHECKING:
     from mnist_dist.train import Run
 
-FORMAT = 5  # 5: the optimizer's state keyed by parameter name, in every mode
+FORMAT = 6  # raised whenever what a checkpoint holds changes, its config's settings included
 NEWEST = "checkpoint.pt"
 
 log = logging.getLogger("mnist_dist")
 
 
-def save(obj: Any, path: Path, older: int = 0) -> None:
-    """``torch.save`` to ``path`` whole or not at all. ``older``: how many of the files it replaces stay, as
-    ``<name>.1.pt`` (the newest), ``<name>.2.pt``, ... Serialised in memory first: a full disk then fails in a plain
-    write, as OSError(ENOSPC) naming ``path``, not deep in torch's zip writer."""
+def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
+    """``torch.save`` to ``path`` whole or not at all; ``keep_previous``: the file it replaces stays as
+    ``<name>.1.pt``. Serialised in memory first: a full disk then fails in a plain write, as OSError(ENOSPC)
+    naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     with files.atomic(path) as pending:
         # The view is released before an error leaves: held by the error's traceback in a reference loop, an
-        # exported BytesIO buffer crashes CPython's garbage collector (3.12.1, cpython#111049: a full disk did it)
+        # exported BytesIO buffer crashes CPython's garbage collector (cpython#111049: a full disk did it)
         with buffer.getbuffer() as view:
             pending.file.write(view)
         pending.file.flush()
         os.fsync(pending.file.fileno())
         # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
-        names = [path] + [_older(path, n) for n in range(1, older + 1)]
-        for source, dest in reversed(list(zip(names, names[1:]))):
-            if source.exists():
-                os.replace(source, dest)
-
-
-def _older(path: Path, n: int) -> Path:
-    return path.with_suffix(f".{n}.pt")
+        if keep_previous and path.exists():
+            os.replace(path, path.with_suffix(".1.pt"))
 
 
 def locate(resume: str) -> Path:
@@ -79,22 +70,16 @@ def locate(resume: str) -> Path:
 
 
 def load(path: Path) -> dict:
-    """The checkpoint at ``path``, or a one-line ConfigError saying why not (and naming the previous one)."""
+    """The checkpoint at ``path``, or a one-line ConfigError saying why not."""
     try:
         return _read(path)
     except ConfigError as why:
-        older = _older(path, 1)
-        hint = f"; an older checkpoint is {older} (resume=auto falls back to it)" if older.is_file() else ""
-        raise ConfigError(f"resume={path}: {why}{hint}") from None
+        raise ConfigError(f"resume={path}: {why}") from None
 
 
 def _read(path: Path) -> dict:
     try:
-        with zipfile.ZipFile(path):  # torch.save's container: a truncated or foreign file is said in plain words
-            pass
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except zipfile.BadZipFile as error:
-        raise ConfigError(f"cannot read the checkpoint (not a complete torch.save file: {error})") from None
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
         raise ConfigError(
             "it holds something other than tensors and plain values, which mnist_dist never loads (not a "
@@ -114,11 +99,11 @@ def _read(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or the newest older one that can be read (saying so in one
-    line); None when there is none, a ConfigError when none can be read. A torchrun restart or a SLURM requeue
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or else the previous one if it can be read (saying so in
+    one line); None when there is none, a ConfigError when none can be read. A torchrun restart or a SLURM requeue
     runs the same command again: refusing would fail every attempt alike."""
-    newest, skipped = run_dir / NEWEST, []
-    for path in [newest, *takewhile(Path.exists, (_older(newest, n) for n in count(1)))]:
+    skipped = []
+    for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
         if not path.exists():
             continue
         try:
@@ -149,7 +134,6 @@ class Losses:
         return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
 
     def advice(self) -> str:
-        """What a divergence error says to do."""
         if self.good_checkpoint is None:
             return "lower optim.lr or check the data (no checkpoint was written before it)"
         path, step = self.good_checkpoint
@@ -187,10 +171,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "config": run.config_yaml,
             "format": FORMAT,
         }
-        # The older ones shift only behind the newest known good (written, or resumed from): a checkpoint.pt that
-        # resume=auto skipped is replaced, never kept in place of the one the run went on from.
-        shift = run.losses.good_checkpoint is not None and run.losses.good_checkpoint[0] == path
-        save(saved, path, older=run.cfg.keep_checkpoints - 1 if shift else 0)
+        save(saved, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
 
 

@@ -47,7 +47,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
             all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
         ),
         "wall_time_s": wall_time_s,
-        "peak_rss_mib": per_rank(peak_rss_mib()),
+        "peak_rss_mib": per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # Linux: KiB
         # per rank, its fullest device; by device: rank 0's, every device of dp and split
         "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
         "cuda_max_allocated_mib_by_device": peaks,
@@ -72,10 +72,6 @@ def finish(run: Run, wall_time_s: float) -> dict:
         dist.barrier()  # leave together: a peer that disconnects while rank 0 still saves can abort it
         dist.destroy_process_group()
     return results
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def per_rank(value: float) -> list[float]:

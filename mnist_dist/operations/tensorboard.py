@@ -3,8 +3,7 @@
 One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
 rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
 node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
-mode overlay; every tag, and what it means: docs/running.md#tensorboard (tests/test_view.py checks that
-it lists every tag a run writes).
+mode overlay; every tag, and what it means: docs/running.md#tensorboard.
 """
 
 from __future__ import annotations
@@ -13,54 +12,49 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
 from mnist_dist.metrics import job_images_per_s
 
-# CUSTOM SCALARS: (section, open by default, [(chart title, tag regex), ...]). The open charts read the
-# global tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
-LAYOUT = [
-    (
-        "compare runs (global numbers)",
-        True,
-        [
-            ("training loss, mean over ranks", r"^train/loss_global$"),
-            ("images/s, all ranks together", r"^perf/images_per_s_global$"),
-            ("test accuracy", r"^test/accuracy$"),
-            ("test accuracy against training time (x: ms, evaluation left out)", r"^test/accuracy_by_train_ms$"),
-            ("test loss", r"^test/loss$"),
-        ],
-    ),
-    (
-        "per rank (every rank of every run)",
-        False,
-        [
-            ("training loss on each rank's share", r"^rank_\d+/train/loss$"),
-            ("images/s of each rank", r"^rank_\d+/perf/images_per_s$"),
-        ],
-    ),
-    ("schedule", False, [("learning rate", r"^train/lr$"), ("epoch time (s)", r"^perf/epoch_time_s$")]),
-]
+# CUSTOM SCALARS: {section: {chart title: ["Multiline", [tag regex]]}}. The first section reads the global
+# tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
+LAYOUT = {
+    "compare runs (global numbers)": {
+        "training loss, mean over ranks": ["Multiline", [r"^train/loss_global$"]],
+        "images/s, all ranks together": ["Multiline", [r"^perf/images_per_s_global$"]],
+        "test accuracy": ["Multiline", [r"^test/accuracy$"]],
+        "test accuracy by training ms (evaluation left out)": ["Multiline", [r"^test/accuracy_by_train_ms$"]],
+        "test loss": ["Multiline", [r"^test/loss$"]],
+    },
+    "per rank (every rank of every run)": {
+        "training loss on each rank's share": ["Multiline", [r"^rank_\d+/train/loss$"]],
+        "images/s of each rank": ["Multiline", [r"^rank_\d+/perf/images_per_s$"]],
+    },
+    "schedule": {
+        "learning rate": ["Multiline", [r"^train/lr$"]],
+        "epoch time (s)": ["Multiline", [r"^perf/epoch_time_s$"]],
+    },
+}
+TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
 
 
 def tb_dir(run_dir: Path) -> Path:
-    """The training run's one TensorBoard run, written by rank 0."""
     return run_dir / "tb"
 
 
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar the run logged, ``{tag: {step: value}}`` in step order: the one reader of the tags above
     (compare, bench and the tests read runs through it)."""
+    return {tag: {e.step: e.value for e in events} for tag, events in _scalar_events(tb_dir(run_dir)).items()}
+
+
+def _scalar_events(directory: Path) -> dict[str, list]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: every event, not a sample
     events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
 
 
 def window_tags(gathered: list[list[float]]) -> dict[str, float]:
@@ -78,28 +72,11 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
     return tags
 
 
-def custom_scalars_summary() -> Summary:
-    """``LAYOUT`` as the summary the CUSTOM SCALARS tab reads. torch's ``add_custom_scalars`` cannot
-    fold a section (``closed``), and TensorBoard's own ``custom_scalar.summary`` needs TensorFlow."""
-
-    def chart(title: str, regex: str) -> layout_pb2.Chart:
-        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
-
-    sections = [
-        layout_pb2.Category(title=t, closed=not open_, chart=[chart(*c) for c in cs]) for t, open_, cs in LAYOUT
-    ]
-    layout = layout_pb2.Layout(category=sections)
-    tensor = TensorProto(dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
-    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
-    return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
-
-
 class Scalars:
     """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it logs
     leaves none); written on rank 0, a no-op on the others. ``resumed_at``: (step, training milliseconds) of the
-    checkpoint a resumed run goes on from; the first write keeps what was logged up to there and drops the rest.
-    TensorBoard's purge_step cannot: it cuts the time axis's milliseconds by step, and a resume that fails after it
-    would hide the history for good."""
+    checkpoint a resumed run goes on from; the first write keeps the scalars logged up to there and drops the rest.
+    TensorBoard's purge_step cannot: it would cut the time axis's milliseconds by step."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_at: tuple[int, float] | None = None) -> None:
         self.directory = tb_dir(run_dir)
@@ -113,13 +90,14 @@ class Scalars:
             return self._writer
         # A fresh run drops what an earlier attempt (one that left no checkpoint) logged here: one run, not two merged.
         old = sorted(self.directory.glob("events.out.tfevents.*"))
-        kept = _events_up_to(old, *self.resumed_at) if self.resumed_at else []
+        kept = _scalar_events(self.directory) if self.resumed_at and old else {}
         with self._naming_the_directory():
             self._writer = SummaryWriter(str(self.directory))
-            if not kept:
-                self._writer.file_writer.add_summary(custom_scalars_summary())
-            for event in kept:  # the layout among them
-                self._writer.file_writer.add_event(event, walltime=event.wall_time)
+            self._writer.add_custom_scalars(LAYOUT)
+            for tag, events in kept.items():
+                up_to = self.resumed_at[1] if tag in TIME_AXIS else self.resumed_at[0]
+                for event in (event for event in events if event.step <= up_to):
+                    self._writer.add_scalar(tag, event.value, event.step, walltime=event.wall_time)
             self._writer.flush()
         for path in old:  # only once the kept history is written: a crash here duplicates, loses nothing
             path.unlink()
@@ -156,24 +134,3 @@ class Scalars:
             writer, self._writer = self._writer, None
             with self._naming_the_directory():
                 writer.close()
-
-
-TIME_AXIS = {"test/accuracy_by_train_ms"}  # tags whose step is training milliseconds
-
-
-def _events_up_to(paths: list[Path], step: int, train_ms: float) -> list:
-    """The events of ``paths`` but the scalars logged after ``step`` (after ``train_ms`` on the time axis)."""
-    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
-    from tensorboard.compat.proto.event_pb2 import Event
-
-    kept = []
-    for path in paths:
-        for record in RawEventFileLoader(str(path)).Load():  # as written: EventFileLoader rewrites scalars
-            event = Event.FromString(record)
-            if event.HasField("file_version"):  # the new file has its own
-                continue
-            scalars = [v.tag for v in event.summary.value if v.WhichOneof("value") == "simple_value"]
-            if any(event.step > (train_ms if tag in TIME_AXIS else step) for tag in scalars):
-                continue
-            kept.append(event)
-    return kept
