@@ -126,12 +126,6 @@ def test_same_as_torch_ddp(ranks, name):
                 assert_same(results[rank][wrapper][name], reference, f"{wrapper}, rank {rank} vs one process")
 
 
-def test_unused_on_every_rank_keeps_grad_none(ranks):
-    world_size, results = ranks
-    for rank in range(world_size):
-        assert results[rank]["ours"]["unused_on_every_rank"]["spare_grad_is_none"] is True
-
-
 @pytest.mark.parametrize("name", ["frozen_at_wrap_then_unfrozen", "retain_graph_second_backward"])
 def test_where_torch_ddp_leaves_ranks_apart_ours_equals_one_process(ranks, name):
     world_size, results = ranks
