@@ -250,11 +250,7 @@ def shared_across_checkpoint(rank, world_size, overlap):
 
 def test_second_gradient_in_one_backward_is_refused_with_overlap_and_summed_without(ranks):
     for message in ranks("shared overlap"):
-        assert re.fullmatch(
-            r"shared\.(weight|bias) got a second gradient in one backward after its bucket was sent; "
-            r"pass overlap=False, or checkpoint with use_reentrant=False",
-            message,
-        )
+        assert re.match(r"shared\.(weight|bias) got a second gradient.*overlap=False.*use_reentrant=False", message)
     net = SharedAcrossCheckpoint()
     net(torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])).sum().backward()
     for grad in ranks("shared no-overlap"):

@@ -57,7 +57,7 @@ def test_dp_block_wraps_only_that_block_and_saves_plain_keys():
 
 
 def test_unknown_block_names_the_submodules():
-    with pytest.raises(ConfigError, match="ConvNet has no submodule 'block2'; its submodules: features, classifier"):
+    with pytest.raises(ConfigError, match="no submodule 'block2'; its submodules: features, classifier"):
         wrap_model(ConvNet(), mode("dp_block", dp_block="block2"), torch.device("cpu"))
 
 

@@ -20,9 +20,7 @@ def test_layer_groups_are_the_children_with_parameters_or_the_named_classes():
     assert [type(m).__name__ for m in blocks] == ["Linear", "ResidualBlock", "ResidualBlock", "ResidualBlock"]
     assert blocks[1] is resnet.features[5]  # innermost (last) first: fully_shard goes inside out
     assert all(isinstance(b, ResidualBlock) for b in blocks[1:])
-    with pytest.raises(
-        ValueError, match="group_classes: the model has no Block; its module classes are BatchNorm2d, Conv2d"
-    ):
+    with pytest.raises(ValueError, match="group_classes: the model has no Block; .*BatchNorm2d, Conv2d"):
         layer_groups(resnet, ["Block"])
 
 
