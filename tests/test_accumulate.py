@@ -5,15 +5,16 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_ranks
+from helpers import compose_config, run_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel, unwrap
 from mnist_dist.step import Precision, train_step
+from mnist_dist.tools import write_idx
 
-STEPS, GLOBAL_BATCH = 5, 32
+STEPS, GLOBAL_BATCH = 3, 32
 
 
 def _train(model, batches, accumulate):
@@ -65,10 +66,11 @@ def test_accumulation_equals_one_big_batch_and_torch_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_accumulate_in_single_mode_equals_one_pass(make_config, tmp_path):
+def test_accumulate_in_single_mode_equals_one_pass(tmp_path):
+    root = write_idx(tmp_path / "data" / "MNIST" / "raw", n_train=128, n_test=20).parents[1]  # 2 steps
     weights = {}
     for k in (1, 2):
-        cfg = make_config("epochs=1", "batch_size=320", "model.dropout=false", "optim=sgd", f"accumulate={k}")
+        cfg = compose_config(root, "epochs=1", "batch_size=64", "model.dropout=false", "optim=sgd", f"accumulate={k}")
         (tmp_path / str(k)).mkdir()
         launch(cfg, tmp_path / str(k))
         weights[k] = torch.load(tmp_path / str(k) / "model.pt")

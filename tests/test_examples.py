@@ -25,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 MNIST_DDP = ROOT / "examples" / "mnist_ddp.py"
 OUR_DDP = ROOT / "examples" / "ddp.py"  # a link to mnist_dist/parallel/ddp.py: one home
 STEPS_PER_EPOCH = 10  # the tiny data: 640 images, global batch 64
-EPOCHS = 3  # a stop after the first epoch leaves two to resume, in which StepLR lowers the rate
+EPOCHS = 2  # a stop after the first epoch leaves one to resume, at the rate StepLR lowered
 EPOCH_LINE = r"epoch (\d+): test loss ([\d.]+), accuracy ([\d.]+) %"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # a free port
 SPAWN = [sys.executable]  # its own launcher: --nproc 2 is the default on CPU

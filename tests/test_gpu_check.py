@@ -162,7 +162,9 @@ def test_quick_on_the_cpu_fails_the_bitwise_row_where_ddp_at_world_size_1_divide
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(gpu_check, "ONE_GPU", ("single", "ddp"))  # torch_ddp, fsdp, split: as in the faked tests
-    monkeypatch.setattr(gpu_check, "TRAIN_IMAGES", 640)
+    monkeypatch.setattr(gpu_check, "TRAIN_IMAGES", 256)  # 2 steps of 128: the bug shows at the second
+    write_idx = gpu_check.write_idx
+    monkeypatch.setattr(gpu_check, "write_idx", lambda raw, n_train, n_test: write_idx(raw, n_train, 100))
     monkeypatch.setattr(gpu_check, "EPOCHS", 1)
     monkeypatch.setattr(gpu_check, "check_time_to_accuracy", lambda args, work: [])  # its rows: faked tests above
     monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
