@@ -14,12 +14,8 @@ def test_the_default_model_builds():
     [
         ("my_pkg.models.MyNet", "cannot be imported .*PYTHONPATH="),
         ("torch.nn.Flatten", "takes no argument 'dropout'.*~model.dropout"),
-        # issue 38: os.system was "failed: HYDRA_INSTANTIATE_ALLOWLIST_OVERRIDE.", which read like the way around it
         ("os.system", "is not allowed"),
-        ("builtins.eval", "is not allowed"),
-        ("subprocess.Popen", "is not allowed"),
         ("math.pi", "is not allowed"),
-        # issue 38: it failed in the worker, "AttributeError: 'collections.OrderedDict' object has no attribute 'to'"
         ("collections.OrderedDict", "built an object of type OrderedDict, not a torch.nn.Module"),
     ],
 )
