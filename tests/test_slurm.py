@@ -1,11 +1,10 @@
-"""SLURM's variables as srun sets them (no scheduler here): which process is a task, and its port."""
+"""SLURM's variables as srun sets them (no scheduler here): the port a job step derives; leftover torchrun variables."""
 
 import os
 
 import pytest
 
 from mnist_dist import topology
-from mnist_dist.operations import environment
 from mnist_dist.operations.errors import ConfigError
 
 SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID")
@@ -29,11 +28,6 @@ def task(rank: int, job: int = 1234, step: int = 0) -> dict:
     """What srun gives task ``rank`` of a two-task job step."""
     variables = dict(SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NTASKS=2, SLURM_NODELIST="localhost")
     return variables | dict(SLURM_JOB_ID=job, SLURM_STEP_ID=step)
-
-
-def test_an_srun_task_is_one(env):
-    env(**task(1))
-    assert (environment.launcher(), environment.launched_rank()) == ("srun", 1)
 
 
 def port_of(env, make_config, job: int, step: int) -> int:
