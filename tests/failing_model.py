@@ -1,4 +1,5 @@
-"""A convnet that misbehaves on one rank at one training step: for the failure-handling tests."""
+"""A narrow convnet, and one that misbehaves on one rank at one training step: for the tests of processes, files
+and failures, which a run's arithmetic does not change (the default convnet's 1.2 M weights cost most of a run)."""
 
 import os
 import signal
@@ -6,21 +7,30 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from torch import nn
 
 from mnist_dist.model import ConvNet
 
 
-class FailingConvNet(ConvNet):
+class NarrowConvNet(ConvNet):
+    """ConvNet's layers and dropout, an eighth of its channels: the same module names, a fiftieth of the work."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.features[0], self.features[2] = nn.Conv2d(1, 4, 3), nn.Conv2d(4, 8, 3)
+        self.classifier[0], self.classifier[3] = nn.Linear(8 * 12 * 12, 32), nn.Linear(32, 10)
+
+
+class FailingConvNet(NarrowConvNet):
     """At training step ``fail_step`` on rank ``fail_rank`` (-1: never): raise, or with ``kill`` die
     by SIGKILL, with ``nan`` return NaN, with ``nan_grad`` return a finite output whose gradient is NaN
     (the loss stays finite, the step's update poisons the weights), with ``usr1`` send itself SIGUSR1
     (as SLURM warns) and go on. ``step_seconds`` slows every step down; ``pid_dir``
     records the process id, so that a test can check no worker outlives the launcher. ``attempt``
     (under torchrun, or SLURM's requeue count): misbehave only in that attempt, 0 the first, so that a
-    restarted job goes on. The environment variable ``KILL_AGENT_AT_STEP``, set for one torchrun agent's
-    workers only, makes a worker SIGKILL its agent and itself at that step, as a lost node would;
-    ``INTERRUPT_AT_STEP=SIGTERM:3`` has rank 0 send SIGTERM at that step to the command alone (the leader of
-    its process group), as a scheduler does (set for one command only: a resume must not repeat it)."""
+    restarted job goes on. ``INTERRUPT_AT_STEP=SIGTERM:3`` in the environment has rank 0 send SIGTERM at that
+    step to the command alone (the leader of its process group), as a scheduler does (set for one command
+    only: a resume must not repeat it)."""
 
     def __init__(
         self,
@@ -50,9 +60,6 @@ class FailingConvNet(ConvNet):
             return super().forward(x)
         self.calls += 1
         time.sleep(self.step_seconds)
-        if self.calls == int(os.environ.get("KILL_AGENT_AT_STEP", 0)):
-            os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
         rank = dist.get_rank() if dist.is_initialized() else 0
         name, _, at = os.environ.get("INTERRUPT_AT_STEP", ":0").partition(":")
         if rank == 0 and self.calls == int(at):  # the command's process leads the group: a test starts it so

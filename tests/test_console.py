@@ -5,7 +5,7 @@ import json
 import logging
 
 from mnist_dist.launch import launch
-from mnist_dist.operations.console import Progress, config_line, summary_line
+from mnist_dist.operations.console import Progress, summary_line
 
 
 def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_interval(caplog):
@@ -28,13 +28,8 @@ def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_inter
     ]
 
 
-def test_the_config_line_is_the_command_line_overrides():
-    assert config_line([]) == "the defaults"
-    assert config_line(["mode=ddp", "gpus=2", "~model.dropout"]) == "mode=ddp gpus=2 ~model.dropout"
-
-
 def test_a_run_ends_with_one_short_line_of_results_and_its_directory(make_config, tmp_path, capsys):
-    launch(make_config("epochs=1", "batch_size=32"), tmp_path)
+    launch(make_config("epochs=1", "batch_size=32", "model._target_=failing_model.NarrowConvNet"), tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     summary = summary_line(results)
     assert summary.startswith(

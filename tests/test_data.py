@@ -6,10 +6,8 @@ import gzip
 import hashlib
 import http.server
 import logging
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,25 +79,18 @@ def serve(monkeypatch):
 # --- files already in place -------------------------------------------------------------------
 
 
-def test_files_in_raw_are_used_as_they_are_on_a_read_only_root_too(tmp_path):
+def test_files_in_raw_are_used_as_they_are_and_nothing_is_written(tmp_path):
     files = idx_set()
     raw = write_set(tmp_path / "MNIST" / "raw", files, gz=False)
     assert data.prepare("mnist", tmp_path, mirrors=[]) == raw  # no mirrors: nothing could have been fetched
     assert {name: (raw / name).read_bytes() for name in NAMES} == files
-    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["MNIST", "raw", *NAMES])  # nothing written
-    # Root writes through file permissions: a read-only bind mount is read-only for everyone.
-    if subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(tmp_path)], capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only directory here (needs root)")
-    try:
-        assert data.prepare("mnist", tmp_path, mirrors=[]) == raw
-    finally:
-        subprocess.run(["umount", str(tmp_path)], check=True)
+    # nothing written, not even a lock: a read-only root (a system's data folder) serves as it is
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["MNIST", "raw", *NAMES])
 
 
 # --- local folders: accepted by the md5s of the decompressed files ------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # full-size data
 @needs_fashion
 def test_debians_fashion_mnist_is_taken_by_its_decompressed_md5s(tmp_path, caplog):
@@ -113,16 +104,6 @@ def test_debians_fashion_mnist_is_taken_by_its_decompressed_md5s(tmp_path, caplo
         assert images.shape == (n, 28, 28)
         assert labels.unique().tolist() == list(range(10))
     assert (raw / NAMES[1]).read_bytes() == gzip.decompress((FASHION / f"{NAMES[1]}.gz").read_bytes())
-
-
-@pytest.mark.slow
-@pytest.mark.slow  # full-size data
-@needs_fashion
-def test_debians_gz_files_copied_into_raw_are_used(tmp_path):
-    raw = tmp_path / "FashionMNIST" / "raw"
-    shutil.copytree(FASHION, raw)
-    assert data.prepare("fashion_mnist", tmp_path, mirrors=[]) == raw
-    assert idx_files(raw) == sorted(NAMES)
 
 
 def test_a_folder_of_other_files_is_refused(tmp_path):
@@ -171,11 +152,6 @@ def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
     assert caplog.messages.count(f"mnist: got the IDX files from {mirror}") == 1  # the other found them ready
 
 
-def test_unknown_dataset_name():
-    with pytest.raises(DataError, match="unknown dataset 'cifar'"):
-        data.raw_dir("cifar", "/nowhere")
-
-
 # --- loading ----------------------------------------------------------------------------------
 
 
@@ -205,7 +181,6 @@ def test_load_split_and_to_device(tmp_path, device):
     assert images.dtype == torch.uint8  # the caller's tensor is untouched
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # full-size data
 @needs_fashion
 def test_the_command_with_mnist_on_the_fashion_mnist_folder_ends_in_one_line(tmp_path, cli_in_process):

@@ -7,23 +7,15 @@ import sys
 import pytest
 
 from mnist_dist import __main__ as command
-from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
 from mnist_dist.operations import rundir
 
-TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64")
+TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64", "model._target_=failing_model.NarrowConvNet")
 
 
 def files(run):
     """What a run wrote; the lock's empty file stays where a launch took it (filelock leaves it, unlocked)."""
     return {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != rundir.LOCK}
-
-
-def test_the_lock_is_held_while_the_run_lives_and_released_with_it(tmp_path):
-    with rundir.owned(tmp_path), pytest.raises(ConfigError, match="in use by another run"), rundir.owned(tmp_path):
-        pass
-    with rundir.owned(tmp_path):  # the next run takes it
-        pass
 
 
 def test_a_sweep_refused_for_a_typo_leaves_nothing(tmp_path):
@@ -44,7 +36,8 @@ def test_a_sweep_over_the_data_root_keeps_both_jobs(tiny_root, tmp_path, monkeyp
     )
     command.main()  # a sweep that completes returns (cli_in_process: its signal handlers put back)
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert jobs == ["0_single_batch_size=64,epochs=1", "1_single_batch_size=64,epochs=1"]
+    named = "single_batch_size=64,epochs=1,model._target_=failing_model.NarrowConvNet"  # Hydra's override_dirname
+    assert jobs == [f"0_{named}", f"1_{named}"]
     assert all((tmp_path / "sweep" / job / "results.json").is_file() for job in jobs)
 
 

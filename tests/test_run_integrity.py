@@ -1,4 +1,4 @@
-"""Issue 38: two launches never share a run directory, and a full disk under TensorBoard is one error naming what
+"""Two launches never share a run directory, and a full disk under TensorBoard is one error naming what
 could not be written. (A fresh launch into a finished run, a checkpoint's position: test_checkpoint.)"""
 
 import errno
@@ -17,7 +17,7 @@ from mnist_dist.operations.errors import log_thread_errors
 from mnist_dist.operations.tensorboard import Scalars
 from mnist_dist.tools import write_idx
 
-TINY = ("data.mirrors=[]", "progress=false", "batch_size=32")
+TINY = ("data.mirrors=[]", "progress=false", "batch_size=32", "model._target_=failing_model.NarrowConvNet")
 
 
 @pytest.mark.slow

@@ -121,22 +121,3 @@ def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path):
     with pytest.raises(WorkerFailed, match=r"^rank 0 failed: killed by SIGABRT .*dist.timeout_s.*join\(\)"):
         spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
     assert_all_gone(tmp_path, 2)
-
-
-# --- issue 38: a log that does not exist is never named ------
-
-
-def _fails_before_its_log(rank: int, world_size: int, log_dir: str) -> None:
-    if rank == 0:
-        raise RuntimeError("failed before its log was opened")
-    Path(log_dir, f"rank_{rank}.log").write_text("rank 1 was here\n")
-    time.sleep(120)  # stopped by spawn once rank 0 failed
-
-
-def test_a_rank_that_failed_before_opening_its_log_names_none(tmp_path):
-    # before: "rank 0 failed: RuntimeError: ... (log: .../rank_0.log)", a file that never existed
-    with pytest.raises(WorkerFailed) as error:
-        spawn(
-            _fails_before_its_log, 2, str(tmp_path), log_path=f"{tmp_path}/rank_{{rank}}.log", start_method="forkserver"
-        )
-    assert str(error.value) == "rank 0 failed: RuntimeError: failed before its log was opened"

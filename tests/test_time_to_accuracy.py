@@ -88,25 +88,22 @@ def test_recipes_classic_is_the_defaults_and_fast_chooses_its_groups(make_config
     assert fast.scheduler["max_lr"] == fast.optim["lr"]
 
 
-def test_the_fast_recipe_evaluates_several_times_an_epoch_and_that_changes_no_weight(make_config, tmp_path):
+def test_the_fast_recipe_evaluates_several_times_an_epoch_changing_no_weight_and_steps_one_cycle_every_step(
+    make_config, tmp_path
+):
     every = make_config("recipe=fast").eval_every_steps
     assert every and 234 // every >= 4  # Fashion-MNIST's epoch at batch 256: a curve per mode in TensorBoard
     for name, evaluations in (("epoch_ends", "eval_every_steps=0"), ("often", "eval_every_steps=3")):
         (tmp_path / name).mkdir()
         narrow = "model.widths=[4,8,8]"  # BatchNorm is what counts, not the width
-        launch(make_config("recipe=fast", narrow, "epochs=1", "batch_size=64", evaluations), tmp_path / name)
+        settings = ("epochs=2", "batch_size=64", "log_every=1", evaluations)  # 20 steps
+        launch(make_config("recipe=fast", narrow, *settings), tmp_path / name)
     assert len(read_scalars(tmp_path / "often")["test/accuracy"]) > len(
         read_scalars(tmp_path / "epoch_ends")["test/accuracy"]
     )
     often, epoch_ends = (torch.load(tmp_path / name / "model.pt") for name in ("often", "epoch_ends"))
     assert all(torch.equal(often[key], epoch_ends[key]) for key in often)  # BatchNorm's statistics included
-
-
-def test_one_cycle_steps_after_every_optimizer_step(make_config, tmp_path):
-    (tmp_path / "run").mkdir()
-    tiny = ("model._target_=test_time_to_accuracy.TinyMLP", "~model.widths")  # the schedule is what counts
-    launch(make_config("recipe=fast", *tiny, "epochs=2", "batch_size=64", "log_every=1"), tmp_path / "run")
-    lr = scalars(tmp_path / "run")["train/lr"]
+    lr = scalars(tmp_path / "often")["train/lr"]
     assert len(lr) == 20
-    peak = lr.index(max(lr))  # warms up over pct_start = 25 % of the 20 steps, then anneals
+    peak = lr.index(max(lr))  # one cycle warms up over pct_start = 25 % of the 20 steps, then anneals
     assert peak == 3 and lr[peak] == pytest.approx(0.01, rel=1e-6) and lr[-1] < lr[peak] / 50
