@@ -60,8 +60,9 @@ class Progress:
         self.loss: float | None = None
         self.images_per_s = 0.0
         self.bar = None
-        self.log_lines = enabled and not stream.isatty()
-        if enabled and stream.isatty():
+        terminal = stream.isatty()
+        self.log_lines = enabled and not terminal
+        if enabled and terminal:
             # shutil's size, not the terminal's own: a pseudo-terminal never given one (``script``, CI runners,
             # ``docker exec -t``) reports 0x0, and tqdm then prints nothing.
             columns, rows = shutil.get_terminal_size()
