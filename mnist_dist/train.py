@@ -16,13 +16,14 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
+from torch.profiler import ProfilerActivity, schedule
 
 from mnist_dist.config import Config
 from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
 from mnist_dist.metrics import Meters, all_gather, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import wrap_model
-from mnist_dist.operations import checkpoint, files, preemption, profiling
+from mnist_dist.operations import checkpoint, files, preemption
 from mnist_dist.operations.checkpoint import Losses, restore, save_checkpoint
 from mnist_dist.operations.console import Progress
 from mnist_dist.operations.errors import FILE_ONLY, setup_logging
@@ -85,7 +86,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
         steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
         progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
-        profiler = profiling.start(run_dir, topology.rank, cfg.warmup_steps, topology.device) if cfg.profile else None
+        profiler = start_profiler(run_dir, topology, cfg.warmup_steps) if cfg.profile else None
         # The first epoch, and the steps of it that a mid-epoch checkpoint had done
         first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
         for epoch in range(first_epoch, cfg.epochs + 1):
@@ -103,6 +104,19 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
         raise
     finally:
         scalars.close()
+
+
+def start_profiler(run_dir: Path, topology: Topology, warmup_steps: int) -> torch.profiler.profile:
+    """``profile=true``: this rank's Chrome trace of 5 steps after warm-up and one step the profiler discards
+    (``trace_rank<r>.json``, for ui.perfetto.dev); ``step()`` after each training step."""
+    cuda = [ProfilerActivity.CUDA] if topology.device.type == "cuda" else []
+    profiler = torch.profiler.profile(
+        activities=[ProfilerActivity.CPU, *cuda],
+        schedule=schedule(wait=warmup_steps, warmup=1, active=5, repeat=1),
+        on_trace_ready=lambda done: done.export_chrome_trace(str(run_dir / f"trace_rank{topology.rank}.json")),
+    )
+    profiler.start()
+    return profiler
 
 
 def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars: Scalars, resumed: dict | None) -> Run:
