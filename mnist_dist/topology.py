@@ -6,7 +6,6 @@ environment (``from_env``). ``setup_process`` sets a process up.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -14,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-import mnist_dist
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations.environment import first_node, launched_ranks, launcher, slurm_port
 from mnist_dist.operations.errors import ConfigError
@@ -123,12 +121,6 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
     """The one place determinism is set. ``warn_only``: an op with no deterministic kernel warns (naming
     itself) instead of stopping the run; the pre-flight check passes False to find such ops."""
-    if on and mnist_dist.CUBLAS_SET_LATE:
-        warnings.warn(
-            "CUDA was in use before mnist_dist was imported, so cuBLAS may have started without the fixed "
-            "workspace deterministic kernels need; export CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting Python",
-            stacklevel=2,
-        )
     torch.use_deterministic_algorithms(on, warn_only=warn_only)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on

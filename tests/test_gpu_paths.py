@@ -4,20 +4,18 @@ to its device: the GPU check's probes, each tested with its bug put back (test_g
 
 import importlib
 import os
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import validate_here
 
-import mnist_dist
 from mnist_dist import metrics
 from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
 from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import checkpoint
-from mnist_dist.topology import Topology, deterministic_kernels, from_env, setup_process
+from mnist_dist.topology import Topology, from_env, setup_process
 
 DP_MODES = ["dp", "dp_block", "dp_functional"]
 # The module, not the function torch.nn.parallel exports under the same name.
@@ -222,21 +220,10 @@ def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, 
     assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
 
 
-def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda(monkeypatch):
+def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
     # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first use in a process: importing the package is
-    # the first thing any of its processes does. This one imported it first, so it is not warned; a process
-    # that used CUDA before importing it is (the import played again here, CUDA in use).
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        deterministic_kernels(True)
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not caught
-    monkeypatch.setattr(mnist_dist, "CUBLAS_SET_LATE", False)  # what the import below changes, put back after
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    importlib.reload(mnist_dist)
+    # the first thing any of its processes does
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    with pytest.warns(UserWarning, match="CUDA was in use before mnist_dist was imported"):
-        deterministic_kernels(True)
 
 
 @pytest.mark.parametrize("bucket_cap_mb, as_view", [(None, False), (25.0, True)])  # torch's two bucket layouts
