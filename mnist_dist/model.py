@@ -1,5 +1,5 @@
-"""The convnet of pytorch/examples mnist, a small ResNet with BatchNorm and FastNet, which know nothing of
-distribution (mnist_dist.modes.wrap_model applies it); the model and the scheduler from the config."""
+"""The convnet of pytorch/examples mnist and FastNet (with BatchNorm), which know nothing of distribution
+(mnist_dist.modes.wrap_model applies it); the model and the scheduler from the config."""
 
 from __future__ import annotations
 
@@ -33,53 +33,6 @@ class ConvNet(nn.Module):
             nn.Dropout(0.5 if dropout else 0.0),
             nn.Linear(128, 10),
         )
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.features(x))
-
-
-class ResidualBlock(nn.Module):
-    """Two 3×3 conv + BatchNorm layers and a shortcut (a 1×1 conv where the shape changes)."""
-
-    def __init__(self, channels_in: int, channels_out: int, stride: int = 1) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(channels_in, channels_out, 3, stride, padding=1, bias=False),
-            nn.BatchNorm2d(channels_out),
-            nn.ReLU(),
-            nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False),
-            nn.BatchNorm2d(channels_out),
-        )
-        self.shortcut = (
-            nn.Identity()
-            if stride == 1 and channels_in == channels_out
-            else nn.Sequential(
-                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
-            )
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (self.body(x) + self.shortcut(x)).relu()
-
-
-class ResNet(nn.Module):
-    """A small ResNet for 28×28 images: a stem, three residual stages (28→14→7), a linear classifier. Its
-    BatchNorm normalises each rank's share (ddp differs slightly from single; see mode.sync_batchnorm)."""
-
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            ResidualBlock(width, width),
-            ResidualBlock(width, 2 * width, stride=2),
-            ResidualBlock(2 * width, 4 * width, stride=2),
-            nn.Flatten(),
-        )
-        # A linear layer over the whole 7×7 map rather than ImageNet ResNets' global average pool,
-        # which would throw away *where* strokes are: small images, and position carries the class.
-        self.classifier = nn.Linear(4 * width * 7 * 7, 10)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))

@@ -365,9 +365,9 @@ def test_resume_with_a_model_that_does_not_fit_writes_nothing(tiny_root, kept, t
     shutil.copytree(kept, run_dir)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     with pytest.raises(
-        ConfigError, match="^resume: the checkpoint does not fit model=mnist_dist.model.ResNet"
+        ConfigError, match="^resume: the checkpoint does not fit model=mnist_dist.model.FastNet"
     ) as error:
-        resume_as_the_cli(tiny_root, run_dir, tmp_path / "new", "model=resnet", "resume_allow_changes=true")
+        resume_as_the_cli(tiny_root, run_dir, tmp_path / "new", "model=fastnet", "resume_allow_changes=true")
     assert "\n" not in str(error.value)
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
     assert not (tmp_path / "new").exists()

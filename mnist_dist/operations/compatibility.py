@@ -46,7 +46,7 @@ def saved_config(state: dict) -> dict:
 
 def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> Config:
     """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's, as launch passes
-    them) name. A group whose class they change (``model=resnet``) is the command's whole; so is everything
+    them) name. A group whose class they change (``model=fastnet``) is the command's whole; so is everything
     for ``recipe=``, whose package is the whole config."""
     saved, mine = saved_config(state), dataclasses.asdict(cfg)
     if "${" in str(saved):  # an interpolation is never resolved: refused

@@ -1,7 +1,7 @@
 """Pre-flight check: will this model train correctly in every mode? No data set needed.
 
     python -m mnist_dist.tools.check                                           # the convnet
-    python -m mnist_dist.tools.check model=resnet
+    python -m mnist_dist.tools.check model=fastnet
     python -m mnist_dist.tools.check model._target_=my_pkg.models.MyNet ~model.dropout
 
 Arguments are Hydra overrides, as for ``python -m mnist_dist`` (``mode.*`` options and ``deterministic`` count).
