@@ -4,8 +4,7 @@ the config is composed) and process layout, read by validation, launch, the work
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,22 +64,12 @@ class DDPMode(ReplicatedMode):
     overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
 
 
-class Dtype(Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
 @dataclass
 class FSDPMode:
     name: str = "fsdp"
     # Free each layer group's gathered parameters after its forward (true: least memory; backward
     # gathers them again) or keep them until backward (false: one all-gather fewer per group and step).
     reshard_after_forward: bool = True
-    # Class names whose instances are sharded as one group each (e.g. [ResidualBlock,Linear]);
-    # []: every direct child of the model that has parameters. See mnist_dist/parallel/fsdp.py.
-    group_classes: list[str] = field(default_factory=list)
-    param_dtype: Dtype = Dtype.float32  # bfloat16: forward and backward compute with bf16 copies
-    reduce_dtype: Dtype = Dtype.float32  # bfloat16: gradients travel and are averaged in bf16
 
 
 # wrap(model, mode config, device of this process, gpus) -> the model placed and wrapped
@@ -187,17 +176,7 @@ def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus:
 
 
 def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> nn.Module:
-    try:
-        return shard(
-            model,
-            device,
-            list(mode.group_classes),
-            mode.reshard_after_forward,
-            getattr(torch, mode.param_dtype.name),
-            getattr(torch, mode.reduce_dtype.name),
-        )
-    except ValueError as error:  # a class name the model does not have
-        raise ConfigError(f"mode.{error.args[0]}") from None
+    return shard(model, device, mode.reshard_after_forward)
 
 
 _DP = {"all_gpus": True, "without_cuda": "in one process: DataParallel passes the whole batch through"}
