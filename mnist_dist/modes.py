@@ -61,7 +61,6 @@ class TorchDDPMode(ReplicatedMode):
 @dataclass
 class DDPMode(ReplicatedMode):
     name: str = "ddp"
-    overlap: bool = True  # all-reduce while backward runs (false: only after it, for comparison)
 
 
 @dataclass
@@ -108,12 +107,12 @@ def compile_refusal(cfg: Any, device_type: str) -> str:
             f"compile=true with mode={cfg.mode.name} on {devices} GPUs: DataParallel's replicas would all run "
             "cuda:0's compiled model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
         )
-    if cfg.compile and schema is DDPMode and cfg.mode.overlap:
+    if cfg.compile and schema is DDPMode:
         # Our DDP's buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
         return (
             "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for "
             "its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket "
-            "boundaries), mode.overlap=false, or compile=false"
+            "boundaries) or compile=false"
         )
     return ""
 
@@ -159,7 +158,6 @@ def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn
     return DistributedDataParallel(
         _sync_batchnorm(model, mode, device),
         bucket_cap_mb=mode.bucket_cap_mb,
-        overlap=mode.overlap,
         find_unused_parameters=mode.find_unused_parameters,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
     )

@@ -68,7 +68,7 @@ def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):
     [
         (["epoch=3"], "'epoch'.*did you mean epochs\\? valid keys: mode,"),
         (["mode.nme=x"], "'nme' not in 'SingleMode'; did you mean name\\? valid keys: name$"),
-        (["mode.overlap=false"], "'overlap' not in 'SingleMode'; valid keys: name$"),  # a knob of another mode
+        (["mode.split_at=x"], "'split_at' not in 'SingleMode'; valid keys: name$"),  # a knob of another mode
         (["colour=red"], "'colour' not in 'Config'; valid keys: "),  # nothing like it: no guess
         (["amp=fp8"], "amp=fp8: Invalid value 'fp8', expected one of \\[off, bf16, fp16\\]"),
         (["epochs=abc"], "epochs=abc: Value 'abc' of type 'str' could not be converted to Integer"),
@@ -86,7 +86,7 @@ def test_composition_errors_are_one_line_naming_the_key(overrides, key):
     assert "\n" not in line and re.search(key, line), line
 
 
-@pytest.mark.parametrize("mode, other", [("ddp", "no_such_knob"), ("torch_ddp", "overlap")])
+@pytest.mark.parametrize("mode, other", [("ddp", "no_such_knob"), ("torch_ddp", "dp_block")])
 def test_both_ddps_share_the_bucket_size_and_the_replicated_knobs(make_config, mode, other):
     shared = ("mode.bucket_cap_mb=4", "mode.find_unused_parameters=true", "mode.sync_batchnorm=true")
     cfg = make_config(f"mode={mode}", "mode.gradient_as_bucket_view=true", *shared)
@@ -112,11 +112,11 @@ def test_a_model_the_parent_cannot_build_is_named_before_any_worker(make_config,
 
 
 def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
-    command = [sys.executable, "-m", "mnist_dist", "mode=single", "mode.overlap=false", f"hydra.run.dir={tmp_path}/run"]
+    command = [sys.executable, "-m", "mnist_dist", "mode=single", "mode.split_at=x", f"hydra.run.dir={tmp_path}/run"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert "'overlap' not in 'SingleMode'" in result.stderr
+    assert "'split_at' not in 'SingleMode'" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -82,7 +82,7 @@ def test_ddp_spawns_one_worker_per_rank(uninterrupted):
     assert "step 4/40 (epoch 1/2): loss " in err and "step 4/40" in (run_dir / "rank_0.log").read_text()
     assert "step 4/40" not in (run_dir / "rank_1.log").read_text()
     assert "\nconfig: mode=ddp gpus=2 data.root=" in err and "(all of it in config.yaml)" in err
-    assert "overlap: true" not in err and "overlap: true" in (run_dir / "rank_0.log").read_text()
+    assert "sync_batchnorm: false" not in err and "sync_batchnorm: false" in (run_dir / "rank_0.log").read_text()
 
 
 @pytest.mark.slow

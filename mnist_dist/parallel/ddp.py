@@ -220,7 +220,7 @@ class DistributedDataParallel(nn.Module):
         elif bucket is not None and bucket.work is not None:  # a second gradient (re-entrant checkpoint), too late
             raise RuntimeError(
                 f"{self._names[index]} got a second gradient in one backward after its bucket was sent; "
-                "pass overlap=False, or checkpoint with use_reentrant=False"
+                "checkpoint with use_reentrant=False"
             )
         if not self._nested and index in self._expected:
             self._expected.remove(index)

@@ -1,8 +1,5 @@
-"""The core DistributedDataParallel (ddp.py) with what torch DDP has and the core leaves out, or torch lacks:
-
-- ``join()``, torch DDP's context for ranks with different numbers of batches;
-- ``overlap=False``: all-reduce only once backward has ended (apex's delay_allreduce), for comparison.
-"""
+"""The core DistributedDataParallel (ddp.py) with ``join()``, torch DDP's context for ranks with different numbers
+of batches."""
 
 import torch
 import torch.distributed as dist
@@ -13,21 +10,10 @@ from mnist_dist.parallel.ddp import broadcast_from
 
 
 class DistributedDataParallel(ddp.DistributedDataParallel, Joinable, JoinHook):
-    """ddp.DistributedDataParallel's arguments, and ``overlap`` (above)."""
-
-    def __init__(self, module, *args, overlap: bool = True, **kwargs) -> None:
+    def __init__(self, module, *args, **kwargs) -> None:
         super().__init__(module, *args, **kwargs)
         Joinable.__init__(self)
-        self.overlap, self._divide_by_initial_world_size, self._joining = overlap, True, False
-
-    @property
-    def bucket_plan(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order."""
-        return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
-
-    def _launch_ready_buckets(self, everything: bool = False) -> None:
-        if self.overlap or everything:
-            super()._launch_ready_buckets(everything)
+        self._divide_by_initial_world_size, self._joining = True, False
 
     def forward(self, *args, **kwargs):
         ranks_in = Join.notify_join_context(self)  # None outside an enabled join()
