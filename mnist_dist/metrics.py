@@ -1,6 +1,5 @@
-"""Honest numbers: images/s per rank and for the job, synchronised, warm-up left out. Every clock reads the
-compute stream's: CUDA events on the current stream, the host's clock on a CPU. Where a step's time goes is the
-profiler's to say (``profile=true``)."""
+"""Honest numbers: images/s per rank and for the job, synchronised, warm-up left out. Where a step's time goes is
+the profiler's to say (``profile=true``)."""
 
 from __future__ import annotations
 
@@ -28,29 +27,18 @@ def job_images_per_s(windows: list[tuple[float, float]]) -> float:
 
 
 class Stopwatch:
-    """Seconds between ``start()`` and ``stop()``, summed, on the compute stream of the first of ``devices`` after
-    the work queued on the others (dp computes on every GPU of its process); a stamp never blocks the host."""
+    """Seconds between ``start()`` and ``stop()``, summed. The host reads its clock once the work queued on the
+    compute stream of each of ``devices`` has finished (dp computes on every GPU of its process): not
+    torch.cuda.synchronize(), which would also wait for communication on NCCL's side streams."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
-        self.first, *self.others = devices
+        self.cuda = [device for device in devices if device.type == "cuda"]
         self.seconds, self.started = 0.0, None
 
-    def now(self) -> float | torch.cuda.Event:
-        if self.first.type != "cuda":
-            return time.perf_counter()
-        for other in self.others:
-            torch.cuda.current_stream(self.first).wait_stream(torch.cuda.current_stream(other))
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream of the current device (the first): each rank set its own
-        return event
-
-    def between(self, start, end) -> float:
-        """Seconds from stamp ``start`` to ``end``, waiting on CUDA for the end's event only (not for NCCL's
-        side streams, as torch.cuda.synchronize() would)."""
-        if self.first.type != "cuda":
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
+    def now(self) -> float:
+        for device in self.cuda:
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
 
     def start(self) -> None:
         self.started = self.now()
@@ -59,7 +47,7 @@ class Stopwatch:
         self.seconds, self.started = self.read(), None
 
     def read(self) -> float:  # the interval running now included
-        return self.seconds + (self.between(self.started, self.now()) if self.started is not None else 0.0)
+        return self.seconds + (self.now() - self.started if self.started is not None else 0.0)
 
 
 class Throughput(Stopwatch):
@@ -74,7 +62,7 @@ class Throughput(Stopwatch):
         if self.warmup_left:
             self.warmup_left -= 1
         elif self.started is None:
-            self.started = self.now()  # on the stream: once the previous step's work has finished
+            self.started = self.now()  # once this step's work has finished: the window counts the next ones
         else:
             self.images += images
 
@@ -83,7 +71,7 @@ class Throughput(Stopwatch):
         if self.started is None or not self.images:
             return None
         now = self.now()
-        window = (self.images, self.between(self.started, now))
+        window = (self.images, now - self.started)
         self.total_images, self.total_seconds = self.total_images + window[0], self.total_seconds + window[1]
         self.images, self.started = 0, now
         return window
@@ -101,12 +89,6 @@ class Meters:
         self.train_time, self.eval_time = Stopwatch(devices), Stopwatch(devices)
         self.throughput = Throughput(devices, warmup)
         self.state_bytes = 0
-
-
-def cuda_peak_mib(devices: Sequence[torch.device]) -> dict[str, float] | None:
-    """The most memory allocated on each CUDA device in ``devices`` since the process reset it; None on the CPU."""
-    peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**20 for d in devices if d.type == "cuda"}
-    return peaks or None
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -101,8 +101,6 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
     fp32_precision(tf32)
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
-        for device in topology.devices:  # one process may run several jobs (compare, tests): each its own peak
-            torch.cuda.reset_peak_memory_stats(device)
     if topology.backend and not dist.is_initialized():
         # The rendezvous address is in the environment: spawn or torchrun put it there. device_id binds
         # NCCL to this GPU and creates its communicator now, so a broken NCCL fails here (and barrier()

@@ -39,7 +39,6 @@ def test_nccl_row_fails_without_device_id(monkeypatch, tmp_path, device_id):
     init = torch.distributed.init_process_group
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
 
     def nccl(backend, store=None, rank=0, world_size=1, timeout=None, device_id=None):
         init("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=world_size)

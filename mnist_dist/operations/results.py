@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from mnist_dist.metrics import all_gather, cuda_peak_mib, job_images_per_s
+from mnist_dist.metrics import all_gather, job_images_per_s
 from mnist_dist.operations import checkpoint, files, machine
 from mnist_dist.operations.console import summary_line
 from mnist_dist.operations.errors import FILE_ONLY
@@ -27,7 +27,6 @@ log = logging.getLogger("mnist_dist")
 def finish(run: Run, wall_time_s: float) -> dict:
     """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
     cfg, topology, meters, score = run.cfg, run.topology, run.meters, run.score
-    peaks = cuda_peak_mib(topology.devices)
     results = {
         "mode": cfg.mode.name,  # the choice (dp_block, not dp)
         "world_size": topology.world_size,
@@ -48,9 +47,6 @@ def finish(run: Run, wall_time_s: float) -> dict:
         ),
         "wall_time_s": wall_time_s,
         "peak_rss_mib": per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # Linux: KiB
-        # per rank, its fullest device; by device: rank 0's, every device of dp and split
-        "cuda_max_allocated_mib": per_rank(max(peaks.values())) if peaks else None,
-        "cuda_max_allocated_mib_by_device": peaks,
         # Parameters, gradients and optimizer state held after a step, from their storage: shards in fsdp.
         "model_state_mib": per_rank(meters.state_bytes / 2**20),
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
