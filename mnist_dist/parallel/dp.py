@@ -20,11 +20,7 @@ def _in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype, enable
 
 def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[Callable]:
     """``replicas`` as ``parallel_apply`` should call them: in the caller's autocast state in every thread.
-
-    ``parallel_apply`` runs each replica in a thread of its own and re-enters autocast there without a
-    dtype; the dtype is thread-local, so a new thread has the default (fp16 for CUDA): bf16 was lost,
-    and fp16 ran without the GradScaler it needs.
-    """
+    ``parallel_apply`` re-enters autocast in each thread without a dtype, which is thread-local: bf16 was lost."""
     state = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
     return [partial(_in_autocast, replica, *state) for replica in replicas]
 
@@ -82,12 +78,8 @@ def data_parallel(model: nn.Module, device_ids: list[int], block: str, functiona
 
 
 def split(model: nn.Module, split_at: str, first, second) -> nn.Module:
-    """Puts the children of ``model`` before ``split_at`` on ``first`` and the rest on ``second``.
-
-    The model's own forward runs unchanged; two forward pre-hooks move the input to ``first`` and,
-    at the boundary, the activations to ``second``. So ``forward`` must use the children in their
-    registration order, as ``ConvNet`` (features, then classifier) does.
-    """
+    """Puts the children of ``model`` before ``split_at`` on ``first`` and the rest on ``second``; forward
+    pre-hooks move the input and, at the boundary, the activations. ``forward`` must use the children in order."""
     boundary = child(model, split_at)
     names = [name for name, _ in model.named_children()]
     for name, module in model.named_children():

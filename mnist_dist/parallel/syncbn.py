@@ -1,10 +1,6 @@
-"""BatchNorm over the global batch on any backend: gloo on CPU included, where torch's SyncBatchNorm raises.
-
-The forward all-reduces every rank's per-channel sum, sum of squares and count, and normalises (and updates the
-running statistics) with the global mean and variance; the backward all-reduces the two per-channel sums the
-input's gradient needs. The weight's and bias's gradients stay this rank's own, for the DDP wrapper to average
-(as torch's SyncBatchNorm). In eval mode, or without a process group of more than one rank, a plain BatchNorm.
-"""
+"""BatchNorm over the global batch on any backend: gloo on CPU included, where torch's SyncBatchNorm raises. The
+weight's and bias's gradients stay this rank's own, for the DDP wrapper to average (as torch's SyncBatchNorm). In
+eval mode, or without a process group of more than one rank, a plain BatchNorm."""
 
 from __future__ import annotations
 
