@@ -20,9 +20,10 @@ VARIANTS = ["dp", "dp_block", "dp_functional", "split"]
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory):
-    """train/loss at each of 10 steps, and the final weights, per mode; dropout off."""
+    """train/loss at each of 3 steps, and the final weights, per mode; dropout off. That a run learns:
+    test_train.py."""
     out, root = {}, tmp_path_factory.mktemp("data")
-    write_idx(root / "MNIST" / "raw", n_train=320, n_test=50)
+    write_idx(root / "MNIST" / "raw", n_train=96, n_test=50)
     for mode in ["single", *VARIANTS]:
         run_dir = tmp_path_factory.mktemp(mode)
         launch(
@@ -40,8 +41,7 @@ def test_variant_learns_the_same_curve_as_single(curves, mode):
     single, _, _ = curves["single"]
     losses, weights, recorded = curves[mode]
     assert recorded == mode  # the choice (dp_block), not the family (dp)
-    assert len(losses) == 10
-    assert losses[-1] < 0.7 * losses[0]
+    assert len(losses) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=1e-5)
     ConvNet().load_state_dict(weights)  # the checkpoint has the plain model's keys
 
