@@ -358,6 +358,19 @@ def batchnorm_no_sync_micro_batches(rank, world_size, wrap):
 
 
 @pattern
+def batchnorm_without_broadcast_buffers(rank, world_size, wrap):
+    model = wrap(bn_net(), broadcast_buffers=False)  # each rank keeps its own statistics
+    return bn_state(model, train(model, rank, world_size))
+
+
+@pattern
+def batchnorm_buffer_rebound_after_wrapping(rank, world_size, wrap):
+    model = wrap(bn_net())
+    model.module[1].running_mean = torch.full((8,), float(rank))  # a new tensor: the one synced from then on
+    return bn_state(model, train(model, rank, world_size))
+
+
+@pattern
 def retain_graph_second_backward(rank, world_size, wrap):
     model = wrap(mlp())
     opt = optimizer(model)

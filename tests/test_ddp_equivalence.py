@@ -109,7 +109,12 @@ AS_TORCH_AND_SINGLE = [
 # rank-dependent, or each rank's micro-batches: no one-process twin
 AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks", "no_sync_on_another_branch"]
 # Buffers follow rank 0's at torch DDP's moments: compared with torch DDP rank by rank.
-AS_TORCH_BY_RANK = ["batchnorm_eval_between_steps", "batchnorm_no_sync_micro_batches"]
+AS_TORCH_BY_RANK = [
+    "batchnorm_eval_between_steps",
+    "batchnorm_no_sync_micro_batches",
+    "batchnorm_without_broadcast_buffers",
+    "batchnorm_buffer_rebound_after_wrapping",
+]
 
 
 @pytest.mark.parametrize("name", AS_TORCH_AND_SINGLE + AS_TORCH + AS_TORCH_BY_RANK)
