@@ -51,7 +51,7 @@ def test_compile_with_dp_on_several_gpus_is_refused_in_one_line(make_config, mon
     # model.compile() binds the compiled call to the module; replicate() copies __dict__, so every
     # replica would run cuda:0's weights. The rule reads the schema that dp_block and dp_functional share.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ConfigError, match="compile=true with mode=dp on 2 GPUs: .*cuda:0's compiled model"):
+    with pytest.raises(ConfigError, match="compile=true with mode=dp on 2 GPUs"):
         validate_here(make_config("mode=dp", "gpus=2", "device=cuda", "compile=true"))
     for allowed in (["gpus=1", "device=cuda"], ["gpus=2", "device=cpu"]):
         validate_here(make_config("mode=dp", *allowed, "compile=true"))
