@@ -8,7 +8,7 @@ from helpers import compose_config, run_batch, scalars
 from torch import nn
 
 from mnist_dist.launch import launch
-from mnist_dist.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from mnist_dist.parallel.syncbn import convert_sync_batchnorm
 from mnist_dist.tools import write_idx
 from mnist_dist.tools.compare import compose_configs
 
@@ -66,6 +66,9 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_compute_what_one_process_computes_on_the_whole_batch(ranks, world_size):
     expected = two_steps(layer(), *batch(world_size))
+    alone = two_steps(convert_sync_batchnorm(nn.Sequential(layer()))[0], *batch(world_size))  # no process group
+    for key in ("y", "grad_x", "grad_weight", "eval"):
+        torch.testing.assert_close(alone[key], expected[key])  # a plain BatchNorm
     for found in ranks[world_size]:
         share = found["share"]
         torch.testing.assert_close(found["y"], expected["y"][share], rtol=0, atol=1e-5)
@@ -75,19 +78,6 @@ def test_ranks_compute_what_one_process_computes_on_the_whole_batch(ranks, world
             torch.testing.assert_close(found[key], expected[key], rtol=0, atol=1e-4)
         for mine, single in zip(found["running"], expected["running"]):
             torch.testing.assert_close(mine, single, rtol=0, atol=1e-5)
-
-
-def test_conversion_keeps_parameters_and_state_dict_keys():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(3)))
-    weight = model[1].weight
-    converted = convert_sync_batchnorm(model)
-    assert isinstance(converted[1], SyncBatchNorm) and isinstance(converted[2][0], SyncBatchNorm)
-    assert converted[1].weight is weight
-    assert list(converted.state_dict()) == list(
-        nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(3))).state_dict()
-    )
-    x = torch.randn(6, 4, 3, 3)
-    torch.testing.assert_close(SyncBatchNorm(4)(x), nn.BatchNorm2d(4)(x))  # one process: a BatchNorm
 
 
 STEPS = ("model=fastnet", "channels_last=false", "epochs=1", "batch_size=30", "log_every=1", "optim=sgd")
