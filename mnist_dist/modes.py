@@ -107,13 +107,6 @@ def compile_refusal(cfg: Any, device_type: str) -> str:
             f"compile=true with mode={cfg.mode.name} on {devices} GPUs: DataParallel's replicas would all run "
             "cuda:0's compiled model; use mode=torch_ddp (one process per GPU), gpus=1, or compile=false"
         )
-    if cfg.compile and schema is DDPMode:
-        # Our DDP's buckets launch from per-parameter hooks, which a compiled backward fires all at its end.
-        return (
-            "compile=true with mode=ddp: the compiled backward is one autograd node, so every bucket waits for "
-            "its end and nothing overlaps; use mode=torch_ddp (its DDPOptimizer splits the graph at bucket "
-            "boundaries) or compile=false"
-        )
     return ""
 
 
