@@ -119,13 +119,10 @@ def _tidy(run_dir: Path, fresh: bool, finished: bool, keep_logs: bool) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
-        # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
-        if launched_rank():
-            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra.job_logging.root.handlers=[console]"]
-    except ConfigError as error:  # RANK=abc, RANK=5 with WORLD_SIZE=2: before Hydra, one line
-        sys.exit(f"error: {error}")
+    # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
+    # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
+    if launched_rank():
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra.job_logging.root.handlers=[console]"]
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     with command():  # once it has its status, the process ends without the interpreter's teardown

@@ -1,14 +1,10 @@
 """Issue 38: settings and launcher variables that were checked by type only, or not at all, are one line
 naming the setting. Each test failed on commit ee05943."""
 
-import subprocess
-import sys
-
 import pytest
 from helpers import validate_here
 
 from mnist_dist.config import ConfigError, validate
-from mnist_dist.operations import environment
 from mnist_dist.topology import from_env
 
 
@@ -42,30 +38,6 @@ def test_a_key_added_where_the_schema_has_none_is_refused(tiny_root, tmp_path, c
 TORCHRUN = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-@pytest.mark.parametrize(
-    "variables, message",
-    [
-        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not a whole number: a launcher (torchrun, srun) sets it"),
-        ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0: ranks run from 0 to WORLD_SIZE - 1"),
-        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2: ranks run from 0 to WORLD_SIZE - 1"),
-    ],
-)
-def test_torchrun_variables_that_cannot_be_are_one_line(monkeypatch, variables, message):
-    for key, value in {**TORCHRUN, **variables}.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError) as error:
-        environment.launched_rank()
-    assert str(error.value).startswith(message)
-
-
-def test_slurm_ntasks_that_is_no_number_is_one_line(monkeypatch):
-    for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODELIST", "SLURM_STEP_ID"):
-        monkeypatch.setenv(key, "0")
-    monkeypatch.setenv("SLURM_NTASKS", "abc")
-    with pytest.raises(ConfigError, match="SLURM_NTASKS='abc' is not a whole number"):
-        environment.launcher()
-
-
 def test_gpus_under_torchrun_is_what_runs_or_refused(make_config, monkeypatch):
     for key, value in {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
@@ -91,13 +63,3 @@ def test_gpus_under_torchrun_is_refused_before_the_batch_is_split_by_it(
     assert (
         code == "error: gpus=3, but torchrun started 2 processes, which is what runs; leave gpus= out (or pass gpus=2)"
     )
-
-
-def test_a_rank_that_is_no_number_is_one_line_from_the_command(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", **TORCHRUN, "RANK": "abc", "WORLD_SIZE": "2"}
-    result = subprocess.run(
-        [sys.executable, "-m", "mnist_dist"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 1
-    assert result.stderr.startswith("error: RANK='abc' is not a whole number") and result.stderr.count("\n") == 1
-    assert list(tmp_path.iterdir()) == []  # no rank_<r>.log in the working directory
