@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -52,17 +51,6 @@ def last_resort(error: BaseException, fallback: Path) -> str:
         return f"error: {first} (no log: {log} cannot be written)"
 
 
-def log_thread_errors(log: logging.Logger) -> None:
-    """A library thread that dies (TensorBoard's writer on a full disk) has its traceback logged to the
-    rank's log file rather than printed on the console; the library says the error again to its caller."""
-
-    def excepthook(hook: threading.ExceptHookArgs) -> None:
-        error = hook.exc_value or hook.exc_type()
-        log.error("thread %s failed", getattr(hook.thread, "name", "?"), exc_info=error, extra=FILE_ONLY)
-
-    threading.excepthook = excepthook
-
-
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Every rank logs to ``rank_<r>.log`` in the run directory; rank 0 also to the console, which gets
     neither tracebacks (the launcher prints one ``error:`` line instead) nor ``FILE_ONLY`` records."""
@@ -78,7 +66,6 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
         log.addHandler(handler)
-    log_thread_errors(log)
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
