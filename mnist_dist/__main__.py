@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
         interrupted(_interrupted(where, started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
         keep_logs = True
-        sys.exit(last_resort(error, run_dir / f"rank_{launched_rank()}.log"))
+        sys.exit(last_resort(error, where / f"rank_{launched_rank()}.log"))
     finally:
         _tidy(run_dir, fresh, finished, keep_logs)
 
@@ -103,7 +103,7 @@ def _tidy(run_dir: Path, fresh: bool, finished: bool, keep_logs: bool) -> None:
     """Leaves nothing of a run that did not finish and has no checkpoint, so that it shows in no TensorBoard; only
     the rank logs stay when its error line names one (``keep_logs``). Only a directory this launch's Hydra made
     (``fresh``, found so under its lock) may go: a resume's, unused since the run went on in its old one, does."""
-    if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
+    if not fresh or not run_dir.is_dir():
         return
     names = {p.name for p in run_dir.iterdir()}
     unused = names <= rundir.HYDRA_OWN | {rundir.LOCK}  # failed before training, or resumed in its old directory
