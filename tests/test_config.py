@@ -66,10 +66,8 @@ def test_data_root_defaults_to_the_environment_variable(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["epoch=3"], "'epoch'.*did you mean epochs\\? valid keys: mode,"),
-        (["mode.nme=x"], "'nme' not in 'SingleMode'; did you mean name\\? valid keys: name$"),
+        (["epoch=3"], "'epoch' not in 'Config'; valid keys: mode,"),
         (["mode.overlap=false"], "'overlap' not in 'SingleMode'; valid keys: name$"),  # a knob of another mode
-        (["colour=red"], "'colour' not in 'Config'; valid keys: "),  # nothing like it: no guess
         (["amp=fp8"], "amp=fp8: Invalid value 'fp8', expected one of \\[off, bf16, fp16\\]"),
         (["epochs=abc"], "epochs=abc: Value 'abc' of type 'str' could not be converted to Integer"),
         (["mode=foo"], "mode=foo is not an option; choose one of ddp, dp, dp_block, dp_functional, fsdp, single,"),
