@@ -130,11 +130,8 @@ def _stop(processes: list, grace_s: float | None = _GRACE_S) -> None:
 def die_with_parent() -> None:
     """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op):
     it would otherwise train on with nobody to report to, or hang in a collective."""
-    parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl: no signal will come
-        os._exit(1)
 
 
 def _loopback_store(port: int) -> dist.TCPStore:
