@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -198,47 +197,23 @@ def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(t
     assert "batch_size: 32\n" in config and "checkpoint_every_steps: 10\n" in config and "epochs: 2\n" in config
 
 
-def test_resume_auto_with_no_readable_checkpoint_is_refused_naming_each(tiny_root, kept, tmp_path):
+def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_root, kept, tmp_path):
     run_dir = _copy(kept, tmp_path)
-    for name in ("checkpoint.pt", "checkpoint.1.pt"):
-        (run_dir / name).write_bytes(b"not a checkpoint")
+    newest = run_dir / "checkpoint.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    (run_dir / "checkpoint.1.pt").write_bytes(b"not a checkpoint")
     before = tree(run_dir)
+    with pytest.raises(ConfigError, match=f"^resume={newest}: cannot read the checkpoint \\("):
+        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
     with pytest.raises(ConfigError) as error:
         launch(compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto"), run_dir)
     message = str(error.value)
     assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: checkpoint.pt (")
     assert "; checkpoint.1.pt (" in message and message.endswith("; move them away to start afresh")
-    assert "\n" not in message and tree(run_dir) == before
-
-
-def test_an_explicit_unreadable_checkpoint_is_refused_writing_nothing(tiny_root, kept, tmp_path):
-    run_dir = _copy(kept, tmp_path)
-    newest = run_dir / "checkpoint.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])
-    before = tree(run_dir)
-    with pytest.raises(ConfigError) as error:
-        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
-    assert str(error.value).startswith(f"resume={newest}: cannot read the checkpoint (")
-    assert tree(run_dir) == before and not (tmp_path / "new").exists()
+    assert "\n" not in message and tree(run_dir) == before and not (tmp_path / "new").exists()
 
 
 # --- 6. a checkpoint's config is plain data -----------------------------------------------------
-
-
-@contextmanager
-def deadline(seconds: int):
-    """Fails the test instead of hanging it: a guard, not a time bound (SIGALRM, main thread)."""
-
-    def expired(signum, frame):
-        raise AssertionError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _crafted(kept: Path, tmp_path: Path, edit) -> Path:
@@ -266,22 +241,12 @@ def _with(**fields):
 def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, kept, tmp_path, monkeypatch):
     monkeypatch.setenv("MNIST_DIST_SECRET", "s3cret-value")
     made = tmp_path / "made_by_a_resolver"
-    # unique_dir is mnist_dist's own resolver (it creates directories); oc.env reads the environment
-    secret = "${oc.env:MNIST_DIST_SECRET}"
-    run_dir = _crafted(kept, tmp_path, _with(data__name=secret, batch_size=f"${{unique_dir:{made}}}"))
-    with deadline(120), pytest.raises(ConfigError) as error:
+    # unique_dir would create a directory, were it a resolver; oc.env reads the environment
+    edit = _with(data__name="${oc.env:MNIST_DIST_SECRET}", batch_size=f"${{unique_dir:{made}}}")
+    run_dir = _crafted(kept, tmp_path, edit)
+    with pytest.raises(ConfigError, match="^resume: the checkpoint's config is not a mnist_dist config") as error:
         launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
-    assert str(error.value) == (
-        "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
-    )
-    assert not made.exists() and not (tmp_path / "new").exists()
-    run_dir = _crafted(kept, tmp_path / "2", _with(data__name=secret))
-    with deadline(120), pytest.raises(ConfigError) as error:
-        launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
-    assert str(error.value) == (  # a resume takes the checkpoint's config: one never resolved is refused
-        "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
-    )
-    assert "s3cret" not in str(error.value)
+    assert "s3cret" not in str(error.value) and not made.exists() and not (tmp_path / "new").exists()
 
 
 # --- 7. a resume that changes the mode or the number of ranks says so -------------------------------
@@ -328,14 +293,10 @@ def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line_and_keeps_th
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize("version", [None, 4])  # None: the first layout, which had no format key
-def test_a_checkpoint_of_another_format_is_refused_naming_it(kept, tmp_path, version):
+def test_a_checkpoint_of_another_format_is_refused_naming_it(kept, tmp_path):
     state = torch.load(kept / "checkpoint.pt", weights_only=True)
-    del state["format"]
-    if version is not None:
-        state["format"] = version
-    torch.save(state, tmp_path / "checkpoint.pt")
-    with pytest.raises(ConfigError, match=f"checkpoint format {version}, but this version of mnist_dist reads format"):
+    torch.save({**state, "format": 4}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError, match="checkpoint format 4, but this version of mnist_dist reads format"):
         checkpoint.load(tmp_path / "checkpoint.pt")
 
 
