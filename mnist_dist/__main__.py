@@ -138,6 +138,4 @@ if __name__ == "__main__":
         except OSError as error:  # Hydra could not create the run directory
             sys.exit(f"error: {describe_os_error(error)}")
         except Exception as error:  # before any run directory exists: nowhere to keep a traceback
-            if isinstance(error.__cause__, OSError):  # Hydra could not open its log in the run directory
-                sys.exit(f"error: {describe_os_error(error.__cause__)}")
             sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

@@ -212,10 +212,6 @@ def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
             refuse_unknown_keys(child, f"{prefix}{key}.")
 
 
-def data_root(cfg: Config) -> str:
-    return os.path.expanduser(cfg.data.root)
-
-
 def describe_hydra_error(error: Exception) -> str:
     """Hydra's composition errors span several lines; the same in one: its first line and its cause's, which names
     the key (with the schema's keys), or a group's options where a choice is none of them."""

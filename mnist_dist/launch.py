@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from contextlib import nullcontext, suppress
 from pathlib import Path
 
-from mnist_dist.config import Config, ConfigError, data_root, validate
+from mnist_dist.config import Config, ConfigError, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
-from mnist_dist.operations.console import config_line
 from mnist_dist.operations.environment import launcher
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
@@ -63,10 +62,10 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
     if not by and topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
-    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # under a lock: once per machine
+    data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
     check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if topology.rank == 0:
-        log.info("config: %s (all of it in config.yaml)", config_line(overrides))
+        log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
     if by:
         return train(cfg, run_dir, data_dir, topology)
     if not mode.per_device:
