@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,10 @@ SHORT = ("epochs=1", "batch_size=32")
 FAILING = ("model._target_=failing_model.FailingConvNet", "+model.fail_rank=0")
 
 
-def tree(run_dir: Path) -> dict[str, bytes]:
-    """Every file under ``run_dir`` (tb/ included), by relative path: what a refused launch must not change."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+def contents(run: Path) -> dict:
+    """What the run wrote; Hydra's own record of the latest launch (.hydra/, mnist_dist.log) is Hydra's."""
+    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.stat().st_size]
+    return {str(p.relative_to(run)): p.read_bytes() for p in written if p.relative_to(run).parts[0] not in HYDRA_OWN}
 
 
 def saved_step(path: Path) -> int:
@@ -162,33 +162,13 @@ def kept(tiny_root, tmp_path_factory) -> Path:
     return run_dir
 
 
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@contextmanager
-def logged():
-    """The mnist_dist logger's messages, as lines (the worker replaces its handlers once it starts)."""
-    records, logger = Records(), logging.getLogger("mnist_dist")
-    logger.addHandler(records)
-    try:
-        yield records.lines
-    finally:
-        logger.removeHandler(records)
-
-
-def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(tiny_root, kept, tmp_path):
+def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(tiny_root, kept, tmp_path, caplog):
     run_dir = _copy(kept, tmp_path)
     newest = run_dir / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # what a disk that filled up under another program leaves
-    with logged() as lines:  # no batch_size=32: a resume takes the run's own settings, not the defaults
-        launch(compose_config(tiny_root, "epochs=2", "resume=auto"), run_dir, ("epochs=2", "resume=auto"))
-    (said,) = [line for line in lines if line.startswith("resume=auto")]
+    # no batch_size=32: a resume takes the run's own settings, not the defaults
+    launch(compose_config(tiny_root, "epochs=2", "resume=auto"), run_dir, ("epochs=2", "resume=auto"))
+    (said,) = [line for line in caplog.messages if line.startswith("resume=auto")]
     assert said.startswith("resume=auto: skipped checkpoint.pt (cannot read the checkpoint (")
     assert said.endswith(f"; resuming from {run_dir}/checkpoint.1.pt (step 10)")
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 40  # steps 11 to 40 were trained
@@ -202,7 +182,7 @@ def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_
     newest = run_dir / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     (run_dir / "checkpoint.1.pt").write_bytes(b"not a checkpoint")
-    before = tree(run_dir)
+    before = contents(run_dir)
     with pytest.raises(ConfigError, match=f"^resume={newest}: cannot read the checkpoint \\("):
         launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
     with pytest.raises(ConfigError) as error:
@@ -210,43 +190,22 @@ def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_
     message = str(error.value)
     assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: checkpoint.pt (")
     assert "; checkpoint.1.pt (" in message and message.endswith("; move them away to start afresh")
-    assert "\n" not in message and tree(run_dir) == before and not (tmp_path / "new").exists()
+    assert "\n" not in message and contents(run_dir) == before and not (tmp_path / "new").exists()
 
 
 # --- 6. a checkpoint's config is plain data -----------------------------------------------------
 
 
-def _crafted(kept: Path, tmp_path: Path, edit) -> Path:
-    """A copy of the kept run whose checkpoint.pt holds the config text ``edit(config)`` returns."""
-    run_dir = _copy(kept, tmp_path)
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
-    state["config"] = edit(yaml.safe_load(state["config"]))
-    torch.save(state, run_dir / "checkpoint.pt")
-    return run_dir
-
-
-def _with(**fields):
-    def edit(config):
-        for dotted, value in fields.items():
-            *parents, key = dotted.split("__")
-            node = config
-            for parent in parents:
-                node = node[parent]
-            node[key] = value
-        return yaml.safe_dump(config)
-
-    return edit
-
-
 def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, kept, tmp_path, monkeypatch):
     monkeypatch.setenv("MNIST_DIST_SECRET", "s3cret-value")
-    made = tmp_path / "made_by_a_resolver"
-    # unique_dir would create a directory, were it a resolver; oc.env reads the environment
-    edit = _with(data__name="${oc.env:MNIST_DIST_SECRET}", batch_size=f"${{unique_dir:{made}}}")
-    run_dir = _crafted(kept, tmp_path, edit)
+    run_dir = _copy(kept, tmp_path)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    config = yaml.safe_load(state["config"])
+    config["data"]["name"] = "${oc.env:MNIST_DIST_SECRET}"  # resolved, it would be said in the refusal's line
+    torch.save({**state, "config": yaml.safe_dump(config)}, run_dir / "checkpoint.pt")
     with pytest.raises(ConfigError, match="^resume: the checkpoint's config is not a mnist_dist config") as error:
         launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
-    assert "s3cret" not in str(error.value) and not made.exists() and not (tmp_path / "new").exists()
+    assert "s3cret" not in str(error.value) and not (tmp_path / "new").exists()
 
 
 # --- 7. a resume that changes the mode or the number of ranks says so -------------------------------
@@ -259,12 +218,12 @@ def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, ke
         (("mode=torch_ddp", "gpus=1"), "with mode=torch_ddp on 1 ranks a checkpoint written with mode=single on 1"),
     ],
 )
-def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_root, kept, overrides, said):
+def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_root, kept, overrides, said, caplog):
     overrides = ("epochs=2", f"resume={kept}", *overrides)
     cfg, _, saved = _resume(compose_config(tiny_root, *SHORT, *overrides), kept, overrides)
-    with logged() as lines:
-        compatibility.check_resumable(saved, cfg)
-    assert [line for line in lines if line.startswith("resuming")] == [
+    caplog.set_level(logging.INFO, logger="mnist_dist")
+    compatibility.check_resumable(saved, cfg)
+    assert [line for line in caplog.messages if line.startswith("resuming")] == [
         f"resuming {said}: the same global batches follow"
     ]
 
@@ -324,12 +283,6 @@ def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
 
 
 # --- 9. a fresh launch never replaces a run; a checkpoint's position is checked ----------------------
-
-
-def contents(run: Path) -> dict:
-    """What the run wrote; Hydra's own record of the latest launch (.hydra/, mnist_dist.log) is Hydra's."""
-    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.stat().st_size]
-    return {str(p.relative_to(run)): p.read_bytes() for p in written if p.relative_to(run).parts[0] not in HYDRA_OWN}
 
 
 def test_a_fresh_launch_into_a_finished_run_replaces_nothing(tiny_root, kept, tmp_path, cli_in_process):
