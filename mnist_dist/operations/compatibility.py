@@ -22,10 +22,6 @@ log = logging.getLogger("mnist_dist")
 REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
 
 
-# The keys that name a group's class: another class brings its own keys
-CLASS_KEYS = {"mode.name", "model._target_", "optim._target_", "scheduler._target_"}
-
-
 def saved_config(state: dict) -> dict:
     """The checkpoint's config as plain data (``yaml.safe_load``), never through OmegaConf, whose interpolations
     and resolvers (``${oc.env:...}``, or any registered resolver) a crafted file would run: one is refused."""
@@ -40,11 +36,11 @@ def saved_config(state: dict) -> dict:
 
 def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> Config:
     """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's, as launch passes
-    them) name. A group whose class they change (``model=resnet``) is the command's whole; so is everything
-    for ``recipe=``, whose package is the whole config."""
+    them) name. A group they choose (``model=resnet``) is the command's whole; so is everything for ``recipe=``,
+    whose package is the whole config."""
     saved, mine = saved_config(state), dataclasses.asdict(cfg)
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
-    keys = set(mine) if "recipe" in keys else {key.split(".")[0] if key in CLASS_KEYS else key for key in keys}
+    keys = set(mine) if "recipe" in keys else keys
     try:
         for key in (key for key in keys if key.split(".")[0] in mine):  # hydra.*: Hydra's, not the run's
             *parents, last = key.split(".")
