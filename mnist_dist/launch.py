@@ -70,14 +70,12 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
         return train(cfg, run_dir, data_dir, topology)
     if not mode.per_device:
         return _worker(cfg, run_dir, data_dir, topology)
-    # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
-    log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
     args = (cfg, run_dir, data_dir)
     try:
-        spawn(_spawned_worker, topology.world_size, *args, log_path=log_path, port=cfg.dist.port, start_method=start)
+        spawn(_spawned_worker, topology.world_size, *args, log_dir=str(run_dir), port=cfg.dist.port, start_method=start)
     except OSError as error:  # the store's port (a worker's failure is a WorkerFailed)
         if error.errno != errno.EADDRINUSE:
             raise
