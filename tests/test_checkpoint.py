@@ -245,9 +245,9 @@ def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line_and_keeps_th
     run_dir = _copy(kept, tmp_path)
     saved = ("checkpoint.pt", "checkpoint.1.pt", "model.pt", "results.json")
     before = {name: (run_dir / name).read_bytes() for name in saved}
-    overrides = ("epochs=2", f"resume={run_dir}", "model=resnet", "resume_allow_changes=true")
+    overrides = ("epochs=2", f"resume={run_dir}", "model=fastnet", "resume_allow_changes=true")
     code = cli_in_process(f"data.root={tiny_root}", *overrides, f"hydra.run.dir={tmp_path}/new")
-    assert code.startswith("error: RuntimeError: Error(s) in loading state_dict for ResNet") and "\n" not in code
+    assert code.startswith("error: RuntimeError: Error(s) in loading state_dict for FastNet") and "\n" not in code
     assert {name: (run_dir / name).read_bytes() for name in saved} == before
     assert not (tmp_path / "new").exists()
 
