@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
         interrupted(_interrupted(where, started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
         keep_logs = True
-        sys.exit(last_resort(error, run_dir / f"rank_{launched_rank()}.log"))
+        sys.exit(last_resort(error, where / f"rank_{launched_rank()}.log"))
     finally:
         _tidy(run_dir, fresh, finished, keep_logs)
 
@@ -103,7 +103,7 @@ def _tidy(run_dir: Path, fresh: bool, finished: bool, keep_logs: bool) -> None:
     """Leaves nothing of a run that did not finish and has no checkpoint, so that it shows in no TensorBoard; only
     the rank logs stay when its error line names one (``keep_logs``). Only a directory this launch's Hydra made
     (``fresh``, found so under its lock) may go: a resume's, unused since the run went on in its old one, does."""
-    if run_dir == Path.cwd() or not run_dir.is_dir() or not fresh:
+    if not fresh or not run_dir.is_dir():
         return
     names = {p.name for p in run_dir.iterdir()}
     unused = names <= rundir.HYDRA_OWN | {rundir.LOCK}  # failed before training, or resumed in its old directory
@@ -119,13 +119,10 @@ def _tidy(run_dir: Path, fresh: bool, finished: bool, keep_logs: bool) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
-        # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
-        if launched_rank():
-            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra.job_logging.root.handlers=[console]"]
-    except ConfigError as error:  # RANK=abc, RANK=5 with WORLD_SIZE=2: before Hydra, one line
-        sys.exit(f"error: {error}")
+    # Under torchrun or srun only rank 0 may have Hydra create a run directory (a second one, named a
+    # second later, would split the run: lightning-hydra-template#393); the others learn it from rank 0.
+    if launched_rank():
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra.job_logging.root.handlers=[console]"]
     # Let Hydra raise instead of printing its multi-line report, so that a bad override is one line.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     with command():  # once it has its status, the process ends without the interpreter's teardown
@@ -141,6 +138,4 @@ if __name__ == "__main__":
         except OSError as error:  # Hydra could not create the run directory
             sys.exit(f"error: {describe_os_error(error)}")
         except Exception as error:  # before any run directory exists: nowhere to keep a traceback
-            if isinstance(error.__cause__, OSError):  # Hydra could not open its log in the run directory
-                sys.exit(f"error: {describe_os_error(error.__cause__)}")
             sys.exit(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

@@ -8,12 +8,10 @@ type fails while the config is composed. Each mode's knobs are in ``mnist_dist/m
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import inspect
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -112,7 +110,7 @@ _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
     spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
-    launcher's variables and devices as the topology is read, the data's size (data), a checkpoint (compatibility)."""
+    devices as the topology is read, the data's size (data), a checkpoint (compatibility), dist.port (launch)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
@@ -137,21 +135,13 @@ def validate(cfg: Config, topology: Topology) -> None:
             f"batch_size={cfg.batch_size} (global) is not divisible by {size} ranks{micro}; use a multiple of "
             f"{parts}, e.g. batch_size={cfg.batch_size // parts * parts or parts}"
         )
-    if by or not mode.per_device:
-        return  # what follows: the workers this process starts, on this machine
-    with socket.socket() as probe:  # dist.port=0 binds any: a free port is picked just before spawning
-        try:
-            probe.bind(("127.0.0.1", cfg.dist.port))
-        except OSError:
-            raise ConfigError(
-                f"dist.port={cfg.dist.port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one"
-            ) from None
 
 
 def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
-    for key in ("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    least = dict.fromkeys(("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"), 1)
+    for key, value in {**least, "eval_every_steps": 0, "checkpoint_every_steps": 0}.items():
+        if getattr(cfg, key) < value:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least {value}")
     if not 0 <= cfg.seed <= _MAX_SEED:
         # torch.manual_seed takes 64 bits, and each epoch's order is seeded with seed * 100003 + epoch
         raise ConfigError(
@@ -160,9 +150,6 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         )
     if not 0 <= cfg.target_accuracy <= 1:
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
-    for key in ("eval_every_steps", "checkpoint_every_steps"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be 0 (epoch ends only) or more")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         shown = float(lr) if isinstance(lr, (int, float)) else lr  # optim.lr=abc: said as it is
@@ -225,10 +212,6 @@ def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
             refuse_unknown_keys(child, f"{prefix}{key}.")
 
 
-def data_root(cfg: Config) -> str:
-    return os.path.expanduser(cfg.data.root)
-
-
 def describe_hydra_error(error: Exception) -> str:
     """Hydra's composition errors span several lines; the same in one: its first line and its cause's, which names
     the key (with the schema's keys), or a group's options where a choice is none of them."""
@@ -239,9 +222,7 @@ def describe_hydra_error(error: Exception) -> str:
     if isinstance(cause, OmegaConfBaseException):
         message += f": {cause.msg.splitlines()[0]}"
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and dataclasses.is_dataclass(cause.object_type):
-        fields = [f.name for f in dataclasses.fields(cause.object_type)]
-        guess = next(iter(difflib.get_close_matches(str(cause.key), fields, n=1, cutoff=0.75)), None)
-        message += f"; {f'did you mean {guess}? ' if guess else ''}valid keys: {', '.join(fields)}"
+        message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(cause.object_type))}"
     return message
 
 

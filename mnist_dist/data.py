@@ -53,7 +53,7 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
     """Where the decompressed IDX files of ``name`` live under ``root`` (torchvision's layout)."""
     if name not in _DATASETS:
         raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}")
-    return Path(root) / _DATASETS[name] / "raw"
+    return Path(root).expanduser() / _DATASETS[name] / "raw"
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:

@@ -6,16 +6,16 @@ world's size and the rendezvous from the environment, whoever started it.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext, suppress
 from pathlib import Path
 
-from mnist_dist.config import Config, data_root, validate
+from mnist_dist.config import Config, ConfigError, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
-from mnist_dist.operations.console import config_line
 from mnist_dist.operations.environment import launcher
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
@@ -62,21 +62,26 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
     if not by and topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
         where = mode.without_cuda.format(world_size=topology.world_size)
         log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
-    data_dir = prepare(cfg.data.name, data_root(cfg), cfg.data.mirrors)  # under a lock: once per machine
+    data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
     check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if topology.rank == 0:
-        log.info("config: %s (all of it in config.yaml)", config_line(overrides))
+        log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
     if by:
         return train(cfg, run_dir, data_dir, topology)
     if not mode.per_device:
         return _worker(cfg, run_dir, data_dir, topology)
-    # Every worker logs its traceback to rank_<r>.log in the run directory (errors.setup_logging).
-    log_path = str(run_dir).replace("{", "{{").replace("}", "}}") + "/rank_{rank}.log"  # a path may hold braces
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
     args = (cfg, run_dir, data_dir)
-    spawn(_spawned_worker, topology.world_size, *args, log_path=log_path, port=cfg.dist.port, start_method=start)
+    try:
+        spawn(_spawned_worker, topology.world_size, *args, log_dir=str(run_dir), port=cfg.dist.port, start_method=start)
+    except OSError as error:  # the store's port (a worker's failure is a WorkerFailed)
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(
+            f"dist.port={cfg.dist.port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one"
+        ) from None
     return None
 
 

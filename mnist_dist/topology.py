@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mnist_dist.modes import MODES, world_size
-from mnist_dist.operations.environment import first_node, launched_ranks, launcher, slurm_port
+from mnist_dist.operations.environment import first_node, launched_ranks, launcher
 from mnist_dist.operations.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -63,9 +63,9 @@ def from_env(cfg: Config) -> Topology:
     torchrun's): the same worker whoever started it."""
     env, by = os.environ, launcher()
     rank, size, local_rank, local_size = launched_ranks()
-    if by == "srun":  # env://: rank 0 serves the store; every task derives the same port from the job step
+    if by == "srun":  # env://: rank 0 serves the store, where the batch script says, else on the first node
         env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(cfg.dist.port or slurm_port()))
+        env.setdefault("MASTER_PORT", str(cfg.dist.port or 29500))  # torchrun's default port
     own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
     needed = 1 if own_gpu else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")

@@ -80,8 +80,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     setup_logging(run_dir, topology.rank)
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
     # On resume, TensorBoard keeps what was logged up to the checkpoint and drops what came after it.
-    resumed_at = (resumed["step"], 1000 * resumed["meters"][0]["train_s"]) if resumed else None
-    scalars = Scalars(run_dir, topology.rank, resumed_at)
+    scalars = Scalars(run_dir, topology.rank, resumed["step"] if resumed else None)
     try:
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
         steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
@@ -258,6 +257,5 @@ def evaluate(run: Run) -> bool:
         score.steps_to_target, score.time_to_target_s = run.step, train_s
         log.info("target accuracy %.2f %% reached at step %d, %.1f s of training", 100 * target, run.step, train_s)
     run.scalars.add(run.step, **{"test/loss": score.loss, "test/accuracy": score.accuracy})  # rank 0 writes
-    # TensorBoard's x axis is an integer step: training milliseconds make it a time axis without evaluation.
-    run.scalars.add(round(1000 * train_s), **{"test/accuracy_by_train_ms": score.accuracy})
+    run.scalars.add(run.step, **{"time/train_s": train_s})  # evaluation left out: bench's time to accuracy
     return score.steps_to_target is not None

@@ -4,7 +4,7 @@ to the checkpoint, on every tag, while what the interrupted run logged after it 
 import json
 
 import pytest
-from helpers import compose_config, scalars
+from helpers import compose_config, events, scalars
 
 from mnist_dist import train
 from mnist_dist.launch import launch
@@ -64,12 +64,10 @@ def test_tensorboard_keeps_the_history_up_to_the_checkpoint_on_every_tag(runs):
     out, before = runs
     whole, part = read_scalars(out / "whole"), read_scalars(out / "part")
     assert set(part) == set(whole)
+    # every step once: what the interrupted run logged after its checkpoint is purged, not shadowed
+    assert len(events(out / "part").Scalars("train/loss_global")) == len(whole["train/loss_global"])
     for tag in whole:
-        if tag == "test/accuracy_by_train_ms":  # training milliseconds: the same accuracies, other times
-            assert list(part[tag].values()) == list(whole[tag].values())
-            kept = [ms for ms in before["logged"][tag] if ms <= 1000 * before["saved"]["meters"][0]["train_s"]]
-            assert kept and list(part[tag])[: len(kept)] == kept  # the interrupted run's points up to the checkpoint
-        elif tag.startswith(TIMING) or "/time/" in tag or "/perf/" in tag:
+        if tag.startswith(TIMING) or "/perf/" in tag:
             up_to = [step for step in whole[tag] if step <= before["saved"]["step"]]
             assert [step for step in part[tag] if step <= before["saved"]["step"]] == up_to, tag
             assert set(part[tag]) <= set(whole[tag]), tag  # fewer after it: the new process warms up again

@@ -1,14 +1,17 @@
-"""Every job of a sweep gets its own directory, a refused launch changes nothing on disk, a directory the user
-made is never removed."""
+"""Two launches never share a run directory, every job of a sweep gets its own, a refused launch changes nothing
+on disk, a directory the user made is never removed. (A fresh launch into a finished run: test_checkpoint.)"""
 
+import re
 import subprocess
 import sys
 
 import pytest
+from helpers import HANG_S
 
 from mnist_dist import __main__ as command
 from mnist_dist.launch import launch
 from mnist_dist.operations import rundir
+from mnist_dist.tools import write_idx
 
 TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64", "model._target_=failing_model.NarrowConvNet")
 
@@ -16,13 +19,6 @@ TINY = ("data.mirrors=[]", "progress=false", "epochs=1", "batch_size=64", "model
 def files(run):
     """What a run wrote; the lock's empty file stays where a launch took it (filelock leaves it, unlocked)."""
     return {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != rundir.LOCK}
-
-
-def test_a_sweep_refused_for_a_typo_leaves_nothing(tmp_path):
-    # the command's own process: its __main__ block turns Hydra's error into the line
-    refused = subprocess.run([sys.executable, "-m", "mnist_dist", "-m", "epoch=1,2"], cwd=tmp_path, capture_output=True)
-    assert refused.returncode == 1 and b"did you mean epochs" in refused.stderr
-    assert list(tmp_path.iterdir()) == []  # before: outputs/multirun/<date>/<time>/multirun.yaml
 
 
 @pytest.mark.slow  # two trainings
@@ -61,3 +57,20 @@ def test_a_directory_the_user_made_stays_as_it_was_after_a_failure(tiny_root, tm
         assert code.startswith("error: model._target_=nowhere.Net cannot be imported")
     assert mine.is_dir() and notes.read_text() == "mine"
     # (braces in a path are a path: test_launch's ddp run writes into run_{rank}/)
+
+
+@pytest.mark.slow
+def test_two_launches_into_one_directory_at_once_never_share_it(tmp_path):
+    """Hydra names the default directory by the second: two launches in one second ask for the same one. One
+    trains; the other is refused, by the live run's lock or by the finished run it would replace."""
+    write_idx(tmp_path / "data" / "MNIST" / "raw")
+    argv = [sys.executable, "-m", "mnist_dist", f"data.root={tmp_path}/data", *TINY]
+    runs = [
+        subprocess.Popen([*argv, "hydra.run.dir=outputs/same_second"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    codes = [run.wait(timeout=HANG_S) for run in runs]
+    refused = runs[codes.index(1)].stderr.read()
+    assert sorted(codes) == [0, 1] and re.search("in use by another run|holds a finished run", refused), refused
+    run = tmp_path / "outputs" / "same_second"
+    assert (run / "results.json").is_file() and (run / "rank_0.log").read_text().count("results: ") == 1

@@ -45,13 +45,10 @@ def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     naming ``path``, not deep in torch's zip writer."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    with files.atomic(path) as pending:
-        # The view is released before an error leaves: held by the error's traceback in a reference loop, an
-        # exported BytesIO buffer crashes CPython's garbage collector (cpython#111049: a full disk did it)
-        with buffer.getbuffer() as view:
-            pending.file.write(view)
-        pending.file.flush()
-        os.fsync(pending.file.fileno())
+    with files.atomic(path) as file:
+        file.write(buffer.getvalue())
+        file.flush()
+        os.fsync(file.fileno())
         # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
         if keep_previous and path.exists():
             os.replace(path, path.with_suffix(".1.pt"))

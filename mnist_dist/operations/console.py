@@ -1,5 +1,4 @@
-"""What rank 0 shows on the console (docs/running.md): the command line's overrides in one line (the full
-config goes to config.yaml and the log file), the progress (a tqdm bar in a terminal, else a log line every
+"""What rank 0 shows on the console (docs/running.md): the progress (a tqdm bar in a terminal, else a log line every
 ``interval_s``, so that a run in CI is visibly alive), and one line of results."""
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TextIO
 
@@ -21,11 +20,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 tqdm.set_lock(threading.RLock())
 
 LOG_INTERVAL_S = 30.0
-
-
-def config_line(overrides: Sequence[str]) -> str:
-    """``mode=ddp gpus=2 epochs=1``: what the command line changed, in one line."""
-    return " ".join(overrides) or "the defaults"
 
 
 def summary_line(results: dict) -> str:

@@ -5,12 +5,10 @@ detail kept in the rank's log."""
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -32,35 +30,19 @@ FILE_ONLY = {"file_only": True}  # log.info(..., extra=FILE_ONLY): the log file,
 def describe_os_error(error: OSError) -> str:
     """``cannot write <path>: No space left on device`` and the like; the path when there is one."""
     if error.filename:
-        return f"cannot write {error.filename}: {error.strerror or errno.errorcode.get(error.errno, error)}"
+        return f"cannot write {error.filename}: {error.strerror}"
     return str(error)
 
 
-def last_resort(error: BaseException, fallback: Path) -> str:
-    """The one line for an error nobody handled; its traceback is appended to the log this process writes
-    (setup_logging opened it; else ``fallback``) unless the worker logged it there already."""
-    opened = [h for h in logging.getLogger("mnist_dist").handlers if isinstance(h, logging.FileHandler)]
-    log = Path(opened[0].baseFilename) if opened else fallback
+def last_resort(error: BaseException, log: Path) -> str:
+    """The one line for an error nobody handled, naming ``log``, where its traceback goes unless a worker logged
+    it there already."""
     summary = f"{type(error).__name__}: {error}"
-    first = summary.splitlines()[0]  # never empty: the type's name leads
-    try:
+    with suppress(OSError):  # the log cannot be written either (a full disk?): the line is said all the same
         if not (log.is_file() and summary in log.read_text(errors="replace")):
             with open(log, "a") as handle:
                 handle.write("".join(traceback.format_exception(error)))
-        return f"error: {first} (log: {log})"
-    except OSError:  # the log cannot be written either (full disk?): say so rather than fail again
-        return f"error: {first} (no log: {log} cannot be written)"
-
-
-def log_thread_errors(log: logging.Logger) -> None:
-    """A library thread that dies (TensorBoard's writer on a full disk) has its traceback logged to the
-    rank's log file rather than printed on the console; the library says the error again to its caller."""
-
-    def excepthook(hook: threading.ExceptHookArgs) -> None:
-        error = hook.exc_value or hook.exc_type()
-        log.error("thread %s failed", getattr(hook.thread, "name", "?"), exc_info=error, extra=FILE_ONLY)
-
-    threading.excepthook = excepthook
+    return f"error: {summary.splitlines()[0]} (log: {log})"
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -78,7 +60,6 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
         log.addHandler(handler)
-    log_thread_errors(log)
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"

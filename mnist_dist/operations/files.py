@@ -10,18 +10,11 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
-
-
-class Pending(NamedTuple):
-    """A file being written: ``file`` to write to, ``path`` (the temp name) to read it back by."""
-
-    file: BinaryIO
-    path: Path
+from typing import BinaryIO
 
 
 @contextmanager
-def atomic(target: Path) -> Iterator[Pending]:
+def atomic(target: Path) -> Iterator[BinaryIO]:
     """Yields a new temp file ``.<name>.<random>.tmp`` beside ``target``, with the user's umask; once the body
     returns, it holds the bytes on disk and replaces ``target`` in one step, so that a crash or a signal at any
     moment leaves the old file or the new one, whole. If the body raises, the temp file goes and ``target`` is as
@@ -33,7 +26,7 @@ def atomic(target: Path) -> Iterator[Pending]:
     temp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
     try:
         with open(temp, "wb") as file:
-            yield Pending(file, temp)
+            yield file
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, target)
@@ -47,8 +40,8 @@ def atomic(target: Path) -> Iterator[Pending]:
 
 def write(target: Path, data: bytes | memoryview) -> None:
     """``data`` into ``target``, atomically (``atomic``)."""
-    with atomic(target) as pending:
-        pending.file.write(data)
+    with atomic(target) as file:
+        file.write(data)
 
 
 def write_text(target: Path, text: str) -> None:

@@ -51,10 +51,7 @@ def remove(directory: Path) -> None:
     for parent in directory.parents:
         if not parent.is_relative_to(Path.cwd()) or parent == Path.cwd() or any(parent.iterdir()):
             break
-        try:
-            parent.rmdir()
-        except OSError:  # a mount point, say: the user's, and empty is how it stays
-            break
+        parent.rmdir()
 
 
 @contextmanager

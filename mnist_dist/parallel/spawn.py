@@ -29,7 +29,7 @@ def spawn(
     fn: Callable[..., object],
     world_size: int,
     *args,
-    log_path: str | None = None,
+    log_dir: str | None = None,
     port: int = 0,
     start_method: str = "spawn",
 ) -> None:
@@ -38,7 +38,7 @@ def spawn(
     Each has torchrun's variables (MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)``
     meets in this process's store, on loopback like gloo's and NCCL's pairs. ``fn`` and ``args`` must be
     picklable. A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
-    ``log_path.format(rank=rank)`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
+    ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
     this process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"``
     forks them from one server that imported torch and ``fn``'s module once (CPU only).
     """
@@ -72,7 +72,7 @@ def spawn(
         while not context.join(grace_period=_GRACE_S):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        raise WorkerFailed(_reason(error, log_path)) from error
+        raise WorkerFailed(_reason(error, log_dir)) from error
     except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
         _stop(context.processes, grace_s=None)  # another Ctrl-C ends this process at once, and the workers with it
         raise
@@ -97,7 +97,7 @@ def _worker(rank: int, fn: Callable[..., object], environment: dict[str, str], a
     fn(rank, int(environment["WORLD_SIZE"]), *args)
 
 
-def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_path: str | None) -> str:
+def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_dir: str | None) -> str:
     """``rank <r> failed: <its exception's line, or how it ended>`` and its log; after a timeout, the likely cause."""
     rank = error.error_index
     if isinstance(error, mp.ProcessExitedException):
@@ -110,7 +110,7 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_pa
             " (if it waited in a collective for dist.timeout_s: another rank is stuck, or the ranks ran different "
             "numbers of steps; give every rank the same number of batches, or train inside join())"
         )
-    path = None if log_path is None else log_path.format(rank=rank)
+    path = None if log_dir is None else os.path.join(log_dir, f"rank_{rank}.log")
     log = f" (log: {path})" if path and os.path.isfile(path) else ""  # a rank may fail before opening its log
     return f"rank {rank} failed: {reason}{log}"
 
@@ -130,11 +130,8 @@ def _stop(processes: list, grace_s: float | None = _GRACE_S) -> None:
 def die_with_parent() -> None:
     """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op):
     it would otherwise train on with nobody to report to, or hang in a collective."""
-    parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl: no signal will come
-        os._exit(1)
 
 
 def _loopback_store(port: int) -> dist.TCPStore:

@@ -126,7 +126,8 @@ def write_report(args: argparse.Namespace, name: str, table: str, samples: dict,
 
 def accuracy_curve(run_dir: Path) -> dict[float, float]:
     """Test accuracy against seconds of training (evaluation left out), from the run's TensorBoard."""
-    return {ms / 1000: accuracy for ms, accuracy in read_scalars(run_dir)["test/accuracy_by_train_ms"].items()}
+    tags = read_scalars(run_dir)
+    return {tags["time/train_s"][step]: accuracy for step, accuracy in tags["test/accuracy"].items()}
 
 
 def seconds_to(curve: dict[float, float], target: float) -> float | None:
