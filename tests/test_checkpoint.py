@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from helpers import compose_config
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import _resume, launch
 from mnist_dist.operations import checkpoint, compatibility, files, results
+from mnist_dist.operations.errors import setup_logging
 from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.step import TrainingDiverged
 
@@ -300,3 +302,18 @@ def test_a_fresh_launch_into_an_unfinished_run_says_resume_auto(tiny_root, kept,
     shutil.copy(kept / "checkpoint.pt", run)
     with pytest.raises(ConfigError, match="holds an unfinished run .checkpoint.pt.*; pass resume=auto"):
         launch(compose_config(tiny_root, "epochs=2", "batch_size=32"), run)
+
+
+def test_a_library_threads_traceback_goes_to_the_rank_log_not_the_console(tmp_path, capfd):
+    # TensorBoard's writer thread on a full disk: the error comes back to its caller as one line; the thread's
+    # traceback must not reach the console too
+    setup_logging(tmp_path, rank=0)
+    try:
+        thread = threading.Thread(target=os.write, args=(-1, b""), name="writer")
+        thread.start()
+        thread.join()
+    finally:
+        threading.excepthook = threading.__excepthook__
+        logging.getLogger("mnist_dist").handlers.clear()
+    assert "Traceback" not in capfd.readouterr().err
+    assert "thread writer failed" in (tmp_path / "rank_0.log").read_text()

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -60,6 +61,11 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
         log.addHandler(handler)
+    # A library thread that dies (TensorBoard's writer on a full disk) says its error again to its caller, which
+    # ends in one line: its traceback goes to the log file only.
+    threading.excepthook = lambda hook: log.error(
+        "thread %s failed", hook.thread.name if hook.thread else "?", exc_info=hook.exc_value, extra=FILE_ONLY
+    )
 
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
