@@ -121,9 +121,6 @@ def start_profiler(run_dir: Path, topology: Topology, warmup_steps: int) -> torc
 def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars: Scalars, resumed: dict | None) -> Run:
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    if topology.rank == 0:
-        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
-        files.write_text(run_dir / "config.yaml", config_yaml)
     device = topology.device  # mnist_dist.topology.setup_process set this process up
     train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)
@@ -137,6 +134,9 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     run = Run(cfg, topology, run_dir, config_yaml, scalars, train_set, test_set, learner, meters)
     if resumed:
         restore(run, resumed)
+    if topology.rank == 0:  # once the checkpoint fits: a failed resume leaves the run's config.yaml as it was
+        log.info("config:\n%s", config_yaml, extra=FILE_ONLY)  # the console has launch's one line
+        files.write_text(run_dir / "config.yaml", config_yaml)
     where, size = f"{cfg.mode.name} on {topology.device_type}", topology.world_size
     per_rank = f"global batch {cfg.batch_size} ({cfg.batch_size // size} per rank), {steps} steps per epoch"
     log.info("%s: %d rank(s), %s", where, size, per_rank)

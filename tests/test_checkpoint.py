@@ -245,7 +245,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line_and_keeps_th
     tiny_root, kept, tmp_path, cli_in_process
 ):
     run_dir = _copy(kept, tmp_path)
-    saved = ("checkpoint.pt", "checkpoint.1.pt", "model.pt", "results.json")
+    saved = ("checkpoint.pt", "checkpoint.1.pt", "model.pt", "results.json", "config.yaml")
     before = {name: (run_dir / name).read_bytes() for name in saved}
     overrides = ("epochs=2", f"resume={run_dir}", "model=fastnet", "resume_allow_changes=true")
     code = cli_in_process(f"data.root={tiny_root}", *overrides, f"hydra.run.dir={tmp_path}/new")
