@@ -1,9 +1,7 @@
 """MNIST / Fashion-MNIST on disk and on the device.
 
-`prepare` runs once in the launching process (docs/running.md): torchvision downloads the four IDX files into its
-layout, <root>/<MNIST|FashionMNIST>/raw, and checks their md5s; a local folder (Debian's dataset-fashion-mnist) is
-checked by the md5s of its decompressed files. Workers only call `load_split`, a small IDX reader that needs no
-network (importing torchvision would cost every worker seconds).
+`prepare` runs once in the launching process (docs/running.md); workers only call `load_split`, a small IDX reader
+that needs no network (importing torchvision would cost every worker seconds).
 
 Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r
 takes the r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single
@@ -57,13 +55,12 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
-    """Make ``raw_dir(name, root)`` hold the four decompressed IDX files and return it.
+    """Makes ``raw_dir(name, root)`` (torchvision's layout) hold the four decompressed IDX files; returns it.
 
     Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
-    sources are tried in order: .gz files in that folder, then ``mirrors``. A URL goes through torchvision
-    (download, md5 of the upstream archive); a folder is copied only if all four files are
-    ``name``'s by their md5s, so no other data lands under this name. A second launch sharing ``root`` waits
-    on a lock, then finds the files ready. With nothing to try, nothing is written.
+    .gz files in that folder, then ``mirrors``, are tried in order: a URL through torchvision (md5 of the upstream
+    archive), a folder only if all four files are ``name``'s by md5. Launches sharing ``root`` wait on a lock.
+    DataError when none works, with nothing written.
     """
     raw = raw_dir(name, root)
     if not _complete(raw):
@@ -157,8 +154,8 @@ def to_device_tensors(
 
 
 def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
-    """In the parent: a global batch larger than the training set would run zero steps and save an untrained
-    model."""
+    """ConfigError if the global batch is larger than the training set (zero steps, an untrained model saved)."""
+
     with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
         images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
     if batch_size > images:

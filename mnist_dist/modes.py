@@ -80,12 +80,10 @@ class Mode:
     name: str  # the choice: mode=<name>, conf/mode/<name>.yaml, results.json's "mode"
     schema: type  # its structured config: the knobs it has, with their defaults
     wrap: Wrap
-    # One worker process per device (`gpus` of them) in a process group; else one, the launching process.
-    per_device: bool = False
+    per_device: bool = False  # one worker process per device (`gpus` of them); else one, the launching process
     all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
     max_gpus: int | None = None  # the most devices the mode can use
-    # Said when the mode runs on the CPU because no CUDA device is visible; {world_size} is filled in.
-    without_cuda: str = ""
+    without_cuda: str = ""  # said when the mode runs on the CPU for want of CUDA; {world_size} is filled in
 
     def devices(self, gpus: int) -> int:
         """CUDA devices the job drives for ``gpus``: one per process, or all of them for an all-GPU mode."""

@@ -1,7 +1,6 @@
 """Where a job runs, resolved once (as torchtitan's ``ParallelDims``): the mode, the device, how many processes
 and which one this is. The parent ``resolve``s it; every worker, whoever started it, reads its own from the
-environment (``from_env``). ``setup_process`` sets a process up.
-"""
+environment (``from_env``)."""
 
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ def device_type(requested: str, needed: int, what: str = "this", fix: str = "pas
 
 
 def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> torch.device:
-    """Sets up this process for ``topology``; returns its device. The one place a process is set up."""
+    """Sets up this process for ``topology`` (threads, kernels, device, process group); returns its device."""
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
@@ -138,7 +137,7 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
     # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
-    # So each attempt gets its own keys.
+
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

@@ -1,6 +1,6 @@
 """The worker: build → the epochs → finish, the same code in every mode and on every rank. Each epoch is one
 loop (``train_epoch``): batch → ``train_step`` → every ``log_every`` steps one synchronised log window → at its
-end the evaluation and the checkpoint. Every clock read, log line and file written is a line of this loop."""
+end the evaluation and the checkpoint."""
 
 from __future__ import annotations
 
@@ -86,7 +86,6 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
         steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
         progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
         profiler = start_profiler(run_dir, topology, cfg.warmup_steps) if cfg.profile else None
-        # The first epoch, and the steps of it that a mid-epoch checkpoint had done
         first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
         for epoch in range(first_epoch, cfg.epochs + 1):
             train_epoch(run, epoch, done if epoch == first_epoch else 0, progress, profiler)
@@ -121,7 +120,7 @@ def start_profiler(run_dir: Path, topology: Topology, warmup_steps: int) -> torc
 def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars: Scalars, resumed: dict | None) -> Run:
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    device = topology.device  # mnist_dist.topology.setup_process set this process up
+    device = topology.device
     train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)
     random.seed(cfg.seed + topology.rank)
@@ -156,7 +155,7 @@ def build_model(cfg: Config, resumed: dict | None) -> nn.Module:
     torch.manual_seed(cfg.seed)
     model = instantiate_model(cfg.model)  # a bad model._target_ is one line saying what to do
     if resumed:
-        model.load_state_dict(resumed["model"])  # into the plain model, before any wrapper
+        model.load_state_dict(resumed["model"])
     # fully_shard requires contiguous weights: in fsdp only the images (so the activations) are NHWC.
     if cfg.channels_last and cfg.mode.name != "fsdp":
         model = model.to(memory_format=torch.channels_last)
@@ -211,7 +210,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
     meters.train_time.stop()
     run.losses.check(run.step, run.topology.rank)  # the epoch's last steps, short of a full window
     meters.throughput.pause()
-    if not evaluated:  # the last step's model was not evaluated yet
+    if not evaluated:
         evaluate(run)
     if not learner.per_step:
         learner.scheduler.step()
@@ -256,6 +255,7 @@ def evaluate(run: Run) -> bool:
     if target and score.accuracy >= target and score.steps_to_target is None:
         score.steps_to_target, score.time_to_target_s = run.step, train_s
         log.info("target accuracy %.2f %% reached at step %d, %.1f s of training", 100 * target, run.step, train_s)
-    run.scalars.add(run.step, **{"test/loss": score.loss, "test/accuracy": score.accuracy})  # rank 0 writes
+    run.scalars.add(run.step, **{"test/loss": score.loss, "test/accuracy": score.accuracy})
+
     run.scalars.add(run.step, **{"time/train_s": train_s})  # evaluation left out: bench's time to accuracy
     return score.steps_to_target is not None

@@ -1,13 +1,8 @@
 """Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and the files that hold it.
 
-- Written whole or not at all: ``torch.save`` into memory, then a temporary file that replaces ``checkpoint.pt``
-  (``files.atomic``); the one it replaced stays as ``checkpoint.1.pt``, for when the newest is unusable.
-- Never from weights that are not finite: a diverged run keeps its last good checkpoint.
-- Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a file cannot run code.
-- Model and optimizer state in every mode through ``torch.distributed.checkpoint.state_dict`` (parallel/state.py),
-  keyed by the plain model's names; with them every rank's random state and meters, so that dropout and the
-  clocks go on as if never stopped (on as many ranks as wrote it; on another number the new ranks keep their seed).
-
+Written whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite;
+read with ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through
+``torch.distributed.checkpoint.state_dict`` (parallel/state.py), keyed by the plain model's names in every mode.
 Whether a checkpoint may resume this command's config is compatibility.py's question.
 """
 
@@ -41,8 +36,7 @@ log = logging.getLogger("mnist_dist")
 
 def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     """``torch.save`` to ``path`` whole or not at all; ``keep_previous``: the file it replaces stays as
-    ``<name>.1.pt``. Serialised in memory first: a full disk then fails in a plain write, as OSError(ENOSPC)
-    naming ``path``, not deep in torch's zip writer."""
+    ``<name>.1.pt``. Serialised in memory first, so a full disk fails as OSError(ENOSPC) naming ``path``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     with files.atomic(path) as file:
@@ -96,9 +90,9 @@ def _read(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or else the previous one if it can be read (saying so in
-    one line); None when there is none, a ConfigError when none can be read. A torchrun restart or a SLURM requeue
-    runs the same command again: refusing would fail every attempt alike."""
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or else the previous one if it can be read (logged); None
+    when there is none, ConfigError when none can be read. Falls back rather than refuses because a torchrun
+    restart or a SLURM requeue runs the same command again."""
     skipped = []
     for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
         if not path.exists():
@@ -120,8 +114,8 @@ def newest_readable(run_dir: Path) -> Path | None:
 
 @dataclass
 class Losses:
-    """The training losses of this log window, kept on the device (no sync per step), and the newest checkpoint
-    known to be good, which a divergence error names."""
+    """This log window's training losses, on the device (no sync per step), and the newest good checkpoint,
+    which a divergence error names."""
 
     window: list[torch.Tensor] = field(default_factory=list)
     good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written, or resumed from
@@ -139,11 +133,11 @@ class Losses:
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
-    collective). Never from unchecked weights: the losses since the last check are checked here, and rank 0
-    checks the weights it writes (a step's update can diverge while its loss was finite)."""
+    collective). Raises TrainingDiverged on a non-finite loss since the last check or non-finite weights (a
+    step's update can diverge while its loss was finite)."""
     learner, path = run.learner, run.run_dir / NEWEST
     run.losses.check(run.step, run.topology.rank)
-    # Collectives: every rank takes part (fsdp gathers its shards; rank 0 keeps the full state).
+    # Collectives: fsdp gathers its shards; rank 0 keeps the full state.
     rng = rng_states_of_all_ranks()
     meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
     model_state = state.model_state(learner.model)
@@ -173,8 +167,8 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
 
 
 def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``
-    (the model's weights were loaded into the plain model before it was wrapped)."""
+    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``; the
+    caller loaded the weights into the plain model before wrapping it."""
     learner = run.learner
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
@@ -187,8 +181,7 @@ def restore(run: Run, resumed: dict) -> None:
 
 
 def meters_of(run: Run, mid_epoch: bool) -> dict:
-    """What this rank has counted so far, for a resumed run to go on counting: its clocks, its images and
-    seconds, and mid-epoch the losses of the log window a checkpoint splits."""
+    """This rank's clocks, images and seconds, and mid-epoch the split log window's losses, for a resume."""
     meters = run.meters
     return {
         "train_s": meters.train_time.read(),  # mid-epoch it is running
@@ -200,8 +193,8 @@ def meters_of(run: Run, mid_epoch: bool) -> dict:
 
 
 def restore_meters(run: Run, by_rank: list[dict]) -> None:
-    """A resumed run's clocks go on from rank 0's; each rank's counts and split log window from its own, on
-    as many ranks as the checkpoint's (on another number, each rank's share is another: they start anew)."""
+    """Clocks go on from rank 0's; each rank's counts and split log window from its own, only on as many ranks as
+    the checkpoint's (on another number each rank's share differs, so they start anew)."""
     meters = run.meters
     meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
     if len(by_rank) != run.topology.world_size:
@@ -222,8 +215,9 @@ def gather_objects(mine: Any) -> list:
 
 
 def rng_states_of_all_ranks() -> list[dict]:
-    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank: dropout continues as if
-    never stopped, also on the replicas of dp, which draw their masks on every GPU (a collective)."""
+    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank (a collective); every CUDA
+    device's because dp's replicas draw dropout masks on every GPU."""
+
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
 
