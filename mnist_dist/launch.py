@@ -1,8 +1,6 @@
 """The one launch path: resolve the topology, validate once, prepare the data, then run the worker
 (``mnist_dist.train.train``): here in a one-process mode, one per device through torch's launcher
-(``mnist_dist.parallel.spawn``), or, under torchrun or srun, as this process. Every worker reads its rank, the
-world's size and the rendezvous from the environment, whoever started it.
-"""
+(``mnist_dist.parallel.spawn``), or, under torchrun or srun, as this process."""
 
 from __future__ import annotations
 
@@ -99,12 +97,11 @@ def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> d
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
     """What ``resume=`` names, before anything is overwritten: the config the run goes on with (the checkpoint's
     own, with what the command line sets), the directory it goes on in, and the checkpoint (None: a fresh run).
-
-    ``auto`` resumes ``run_dir``'s newest readable checkpoint if it has one, else starts fresh: what a
-    restarted torchrun job or a requeued SLURM job, relaunched with the same command, needs.
-    """
+    ``auto``: ``run_dir``'s newest readable checkpoint if it has one, else a fresh run, so that a torchrun restart
+    or a SLURM requeue can relaunch the same command."""
     if cfg.resume == "auto":
-        found = checkpoint.newest_readable(run_dir)  # past an unreadable checkpoint.pt, saying so
+        found = checkpoint.newest_readable(run_dir)
+
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
         rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced

@@ -1,7 +1,6 @@
 """What a resume runs with (``resumed_config``) and whether the checkpoint may resume it, checked in the
 parent before anything is written. The checkpoint's config is read as plain YAML (``yaml.safe_load``): no
-interpolation, no resolver.
-"""
+interpolation, no resolver."""
 
 from __future__ import annotations
 

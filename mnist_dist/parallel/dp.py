@@ -1,7 +1,6 @@
 """The single-process multi-GPU family of PyTorch's multi-GPU tutorial, applied to a plain model:
 ``nn.DataParallel`` over the whole model or one sub-block of it, the same by hand (``replicate``, ``scatter``,
-``parallel_apply``, ``gather``), and a model split across two devices. docs/modes.md says why DDP replaced them.
-"""
+``parallel_apply``, ``gather``), and a model split across two devices. docs/modes.md says why DDP replaced them."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ def _in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype, enable
 
 def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[Callable]:
     """``replicas`` as ``parallel_apply`` should call them: in the caller's autocast state in every thread.
-    ``parallel_apply`` re-enters autocast in each thread without a dtype, which is thread-local: bf16 was lost."""
+    ``parallel_apply`` re-enters autocast in each thread without a dtype, which is thread-local: bf16 would be lost."""
     state = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
     return [partial(_in_autocast, replica, *state) for replica in replicas]
 
@@ -32,9 +31,8 @@ def _parallel_apply(replicas: list[nn.Module], inputs, kwargs, device_ids: list[
 
 
 class DataParallel(nn.DataParallel):
-    """``nn.DataParallel`` that keeps the caller's autocast dtype in every replica, and where
-    ``device_ids=[]`` is a pass-through on the CPU: ``nn.DataParallel`` takes ``None`` to mean every
-    visible GPU and has no way to say none, so on a machine with GPUs ``device=cpu`` trained on them."""
+    """``nn.DataParallel`` that keeps the caller's autocast dtype in every replica, and where ``device_ids=[]`` is a
+    pass-through on the CPU: ``nn.DataParallel`` reads ``None`` as every visible GPU and cannot say none."""
 
     def __init__(self, module: nn.Module, device_ids: list[int]) -> None:
         if device_ids:
