@@ -3,6 +3,5 @@
 import os
 
 # cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, when a process first uses it, and needs a fixed workspace for
-# deterministic kernels: importing this package is the first thing every process of a job does (the CLI,
-# spawned workers, torchrun's, the tools), so it is set here. Set only if the environment does not choose one.
+# deterministic kernels: every process of a job (the CLI, spawned workers, torchrun's, the tools) imports this first.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -155,7 +155,6 @@ def to_device_tensors(
 
 def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
     """ConfigError if the global batch is larger than the training set (zero steps, an untrained model saved)."""
-
     with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
         images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
     if batch_size > images:

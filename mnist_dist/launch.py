@@ -101,7 +101,6 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Confi
     or a SLURM requeue can relaunch the same command."""
     if cfg.resume == "auto":
         found = checkpoint.newest_readable(run_dir)
-
         cfg.resume = str(found) if found else ""
     if not cfg.resume:
         rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced

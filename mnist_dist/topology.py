@@ -137,7 +137,6 @@ def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
     """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
     # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
     # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
-
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

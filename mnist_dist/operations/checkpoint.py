@@ -217,7 +217,6 @@ def gather_objects(mine: Any) -> list:
 def rng_states_of_all_ranks() -> list[dict]:
     """Every rank's generators (Python, torch CPU, every CUDA device's), by rank (a collective); every CUDA
     device's because dp's replicas draw dropout masks on every GPU."""
-
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
 

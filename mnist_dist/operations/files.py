@@ -1,6 +1,5 @@
 """The one atomic write that every file written whole goes through (docs/troubleshooting.md): a temp file beside
-the target, fsync, ``os.replace``.
-"""
+the target, fsync, ``os.replace``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Data parallelism for any ``nn.Module``, usable from your own script: it imports nothing from the rest of
-mnist_dist (examples/ddp_regression.py uses it). ``ddp.py`` imports only torch: copy it beside your script.
-"""
+mnist_dist (examples/ddp_regression.py uses it). ``ddp.py`` imports only torch: copy it beside your script."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """PyTorch's fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) applied to a plain model
 by layer groups: each direct child that has parameters, then the root (docs/modes.md#fsdp).
-``mnist_dist.parallel.state`` reads and writes the full state under the plain model's keys.
-"""
+``mnist_dist.parallel.state`` reads and writes the full state under the plain model's keys."""
 
 from __future__ import annotations
 
