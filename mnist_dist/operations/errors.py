@@ -1,6 +1,5 @@
-"""The app's errors: ConfigError for bad settings and DataError for bad or missing data (a module of
-their own, so that every layer can raise them), and every failure as one line on the console, with the
-detail kept in the rank's log."""
+"""The app's errors: ConfigError for bad settings and DataError for bad or missing data (a module of their own, so that
+every layer can raise them), and every failure as one line on the console, with the detail kept in the rank's log."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Run directories that are never shared: Hydra names them (conf/config.yaml), the live run holds a lock in
-its own, a fresh run refuses one that holds another run's results or checkpoint, and under torchrun every node
-creates rank 0's."""
+"""Run directories that are never shared: Hydra names them (conf/config.yaml), the live run holds a lock in its own, a
+fresh run refuses one that holds another run's results or checkpoint, and under torchrun every node creates rank 0's."""
 
 from __future__ import annotations
 
