@@ -1,9 +1,7 @@
-"""The configuration schema: every setting, declared once, with its default and why it exists.
-
-Hydra merges the YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the wrong
-type fails while the config is composed. Each mode's knobs are in ``mnist_dist/modes.py``; ``model``,
-``data``, ``optim`` and ``scheduler`` defaults in their YAML files.
-"""
+"""The configuration schema: every setting, declared once, with its default and why it exists. Hydra merges the
+YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the wrong type fails while the config
+is composed. Each mode's knobs are in ``mnist_dist/modes.py``; ``model``, ``data``, ``optim`` and ``scheduler``
+defaults in their YAML files."""
 
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
 `prepare` runs once in the launching process (docs/running.md); workers only call `load_split`, a small IDX reader
 that needs no network (importing torchvision would cost every worker seconds).
 
-Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r
-takes the r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single
-process's gradient of that batch. The last incomplete global batch is dropped: every rank takes equal steps.
-"""
+Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r takes the
+r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single process's gradient
+of that batch. The last incomplete global batch is dropped: every rank takes equal steps."""
 
 from __future__ import annotations
 

@@ -26,11 +26,9 @@ log = logging.getLogger("mnist_dist")
 
 
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
-    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode).
-
-    ``overrides``: the command line's, said in one console line once every check has passed, and what a
-    resume changes (the settings they name); without them a resume runs with the checkpoint's config.
-    """
+    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode). ``overrides``: the
+    command line's, said in one console line once every check has passed, and what a resume changes (the settings
+    they name); without them a resume runs with the checkpoint's config."""
     # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
     with preemption.installed(cfg.dist.timeout_s) if launcher() else nullcontext():
         return _launch(cfg, run_dir, overrides)

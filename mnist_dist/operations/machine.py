@@ -1,8 +1,6 @@
-"""What machine a number came from: the CPU and its bf16 flags, cores and threads, torch, GPUs.
-
-Throughput depends on the machine more than on anything in this repository (bf16 autocast pays off on a CPU
-only with the flags below), so every results.json, bench.json and compare.json records ``describe()`` and every
-table prints ``summary_line()``."""
+"""What machine a number came from: the CPU and its bf16 flags, cores and threads, torch, GPUs. Throughput depends on
+the machine more than on anything in this repository (bf16 autocast pays off on a CPU only with the flags below), so
+every results.json, bench.json and compare.json records ``describe()`` and every table prints ``summary_line()``."""
 
 from __future__ import annotations
 

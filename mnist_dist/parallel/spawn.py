@@ -35,13 +35,12 @@ def spawn(
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits.
 
-    Each has torchrun's variables (MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)``
-    meets in this process's store, on loopback like gloo's and NCCL's pairs. ``fn`` and ``args`` must be
-    picklable. A failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
-    ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is
-    this process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"``
-    forks them from one server that imported torch and ``fn``'s module once (CPU only).
-    """
+    Each has torchrun's variables (MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)`` meets
+    in this process's store, on loopback like gloo's and NCCL's pairs. ``fn`` and ``args`` must be picklable. A
+    failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
+    ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is this
+    process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"`` forks them
+    from one server that imported torch and ``fn``'s module once (CPU only)."""
     store = _loopback_store(port)
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
