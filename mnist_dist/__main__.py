@@ -6,8 +6,7 @@
     python -m mnist_dist -m mode=single,ddp,torch_ddp gpus=2 epochs=1   # one run per mode
     torchrun --nproc_per_node=2 -m mnist_dist mode=ddp     # torchrun starts the workers instead
 
-Any key of mnist_dist/config.py can be overridden; a misspelt one is an error.
-"""
+Any key of mnist_dist/config.py can be overridden; a misspelt one is an error."""
 
 from __future__ import annotations
 

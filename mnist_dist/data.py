@@ -59,8 +59,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
     Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
     .gz files in that folder, then ``mirrors``, are tried in order: a URL through torchvision (md5 of the upstream
     archive), a folder only if all four files are ``name``'s by md5. Launches sharing ``root`` wait on a lock.
-    DataError when none works, with nothing written.
-    """
+    DataError when none works, with nothing written."""
     raw = raw_dir(name, root)
     if not _complete(raw):
         sources = [str(raw)] * any(raw.glob("*.gz")) + list(mirrors)

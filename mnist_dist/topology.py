@@ -101,9 +101,8 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
     if topology.backend and not dist.is_initialized():
-        # The rendezvous address is in the environment: spawn or torchrun put it there. device_id binds
-        # NCCL to this GPU and creates its communicator now, so a broken NCCL fails here (and barrier()
-        # knows the device instead of warning at every call).
+        # device_id binds NCCL to this GPU and creates its communicator now, so a broken NCCL fails here (and
+        # barrier() knows the device instead of warning at every call).
         dist.init_process_group(
             topology.backend,
             store=_store_of_this_attempt(timedelta(seconds=timeout_s)),

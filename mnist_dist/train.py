@@ -79,7 +79,6 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     started = time.perf_counter()
     setup_logging(run_dir, topology.rank)
     resumed = checkpoint.load(Path(cfg.resume)) if cfg.resume else None
-    # On resume, TensorBoard keeps what was logged up to the checkpoint and drops what came after it.
     scalars = Scalars(run_dir, topology.rank, resumed["step"] if resumed else None)
     try:
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)

@@ -3,8 +3,7 @@
 Written whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite;
 read with ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through
 ``torch.distributed.checkpoint.state_dict`` (parallel/state.py), keyed by the plain model's names in every mode.
-Whether a checkpoint may resume this command's config is compatibility.py's question.
-"""
+Whether a checkpoint may resume this command's config is compatibility.py's question."""
 
 from __future__ import annotations
 

@@ -124,8 +124,8 @@ _status: list[int] = []  # the command's exit status, once it has one: the proce
 @contextmanager
 def command() -> Iterator[None]:
     """Around a command's body: once it has its exit status, the process ends as soon as the other atexit
-    handlers ran, without the interpreter's teardown, which takes seconds (torch's objects) after Python put
-    Ctrl-C back to its default: a Ctrl-C then ended the command silently, killed by the signal."""
+    handlers ran, without the interpreter's teardown: it takes seconds (torch's objects) with Ctrl-C back at
+    Python's default, where a Ctrl-C would end the command silently, killed by the signal."""
     try:
         yield
     except SystemExit as stop:  # a str is printed by Python before the atexit handlers run: status 1

@@ -5,8 +5,7 @@ Before the first step there is nothing new to save: the run stops at once (once 
 waits in torch's C++ until its peers come or ``dist.timeout_s`` passes). From then on each rank votes after every
 step on whether any rank got a signal (so every rank stops after the same step, even if the signal reached only
 some); a vote is read one step later, so no step waits for it. A second Ctrl-C stops at once. Under srun the
-job then exits ``REQUEUE``; otherwise it prints the command that resumes.
-"""
+job then exits ``REQUEUE``; otherwise it prints the command that resumes."""
 
 from __future__ import annotations
 

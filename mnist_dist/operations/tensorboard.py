@@ -3,8 +3,7 @@
 One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
 rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
 node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
-mode overlay; every tag, and what it means: docs/running.md#tensorboard.
-"""
+mode overlay; every tag, and what it means: docs/running.md#tensorboard."""
 
 from __future__ import annotations
 
