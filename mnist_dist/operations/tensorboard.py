@@ -65,9 +65,8 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 
 class Scalars:
     """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
-    logs leaves none); written on rank 0, a no-op on the others. ``resumed_step``: the checkpoint's step that a
-    resumed run goes on from. What an earlier attempt logged after it, or anything at all for a fresh run, is
-    purged (SummaryWriter's ``purge_step``): one run, not two merged."""
+    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (the
+    checkpoint's step a resume goes on from; for a fresh run, anything) is purged (``purge_step``): one run."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
         self.directory = tb_dir(run_dir)
