@@ -66,7 +66,7 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 class Scalars:
     """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
     logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (the
-    checkpoint's step a resume goes on from; for a fresh run, anything) is purged (``purge_step``): one run."""
+    checkpoint's step; for a fresh run, anything) is purged (``purge_step``): one run, not two merged."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
         self.directory = tb_dir(run_dir)
