@@ -12,7 +12,13 @@ from mnist_dist.tools import write_idx
 
 # 2 epochs of 10 steps (320 images), a checkpoint every 5 steps: saved at 5, 10 (epoch end), 15, 20; the 2 kept
 # are 20 and 15. Dropout stays on: resuming must restore the random state too.
-SHORT = ("epochs=2", "batch_size=32", "log_every=1", "checkpoint_every_steps=5")
+SHORT = (
+    "epochs=2",
+    "batch_size=32",
+    "log_every=1",
+    "checkpoint_every_steps=5",
+    "model._target_=failing_model.NarrowConvNet",
+)
 
 
 @pytest.fixture(scope="module")
