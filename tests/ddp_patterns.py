@@ -302,28 +302,6 @@ def retain_graph_second_backward(rank, world_size, wrap):
     return params(model)
 
 
-@pattern
-def parameterless_module(rank, world_size, wrap):
-    model = wrap(nn.BatchNorm1d(8, affine=False))
-    for step in range(STEPS):
-        x, _ = data(step, rank, world_size)
-        model(x + rank)
-    model(torch.ones(2, 8))
-    return {"running_mean": model.module.running_mean.clone()}
-
-
-@pattern
-def sparse_embedding(rank, world_size, wrap):
-    torch.manual_seed(0)
-    model = wrap(nn.Sequential(nn.Embedding(10, 2, sparse=True)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        model(torch.arange(rank, 10, 3)).sum().backward()
-        opt.step()
-    return params(model)
-
-
 def run_all(rank: int, world_size: int, wrap) -> dict:
     """Every pattern's result, or the one line its exception said (a failing pattern does not stop the rest)."""
     results = {}

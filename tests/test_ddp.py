@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ddp_patterns import Heads
 from helpers import Raised, run_batch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel
@@ -113,13 +114,16 @@ def torch_signature(rank, world_size):
         "static_graph": lambda: core.DistributedDataParallel(Heads(), static_graph=True),
         "mixed_precision": lambda: core.DistributedDataParallel(Heads(), mixed_precision=object()),
         "device_mesh": lambda: core.DistributedDataParallel(Heads(), device_mesh=object()),
+        "parameterless": lambda: core.DistributedDataParallel(nn.BatchNorm1d(8, affine=False)),
+        "parameterless, torch's": lambda: TorchDDP(nn.BatchNorm1d(8, affine=False)),
+        "sparse": lambda: core.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 2, sparse=True))),
     }
     said = {}
     for key, call in calls.items():
         try:
             model = call()
             said[key] = (model.forward_sync_buffers, model.process_group is dist.group.WORLD)
-        except (ValueError, NotImplementedError) as error:
+        except (ValueError, NotImplementedError, RuntimeError) as error:
             said[key] = f"{type(error).__name__}: {error}"
     return said
 
@@ -130,6 +134,9 @@ def test_torch_ddp_constructor_in_its_order_and_what_is_not_supported_refused_by
         assert said["device_ids on cpu"].startswith("ValueError: device_ids")  # as torch's, on a CPU module
         for name in ("static_graph", "mixed_precision", "device_mesh"):
             assert said[name].startswith(f"NotImplementedError: {name}: not supported")
+        for key in ("parameterless", "parameterless, torch's"):
+            assert "doesn't have any parameter that requires a gradient" in said[key]
+        assert said["sparse"].startswith("ValueError: 0.weight gets sparse gradients")  # torch's takes them
 
 
 def shapes_differ(rank, world_size):
