@@ -1,13 +1,9 @@
-"""PyTorch's own DDP tests run against our DistributedDataParallel: a drop-in passes what torch's passes.
-
-The tests are torch's, from the installed wheel (torch/testing/_internal/distributed/distributed_test.py), on
-CPU with gloo and 2 ranks. Each runs twice: with torch's DistributedDataParallel, and with ours swapped in for
-torch's in each spawned rank before the test body. Its own command, outside the fast suite:
+"""PyTorch's own DDP tests (the installed wheel's distributed_test.py, on CPU with gloo and 2 ranks), each run with
+torch's DistributedDataParallel and with ours swapped in for it in each spawned rank. Its own command (docs/ddp.md):
 
     pytest -n 0 tests/ddp_conformance.py
 
-Of the file's DDP tests, most need CUDA devices (torch skips them here too); of those that run on CPU, the ones
-that need what ours does not claim are skipped below with the reason.
+Most of the file's DDP tests need CUDA; those on CPU that need what ours does not claim are skipped with the reason.
 """
 
 import os

@@ -8,8 +8,6 @@ buffers, eval outputs, or the error it raised.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,9 +32,6 @@ class Plain(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        return nullcontext()
 
 
 def data(step: int, rank: int, world_size: int, features: int = 8, n: int = GLOBAL_BATCH):
@@ -92,21 +87,6 @@ def tied_weights(rank, world_size, wrap):
     return train(wrap(Tied()), rank, world_size)
 
 
-class Twice(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
-
-    def forward(self, x):
-        return self.head(self.inner(self.inner(x).tanh()).tanh())
-
-
-@pattern
-def submodule_called_twice(rank, world_size, wrap):
-    return train(wrap(Twice()), rank, world_size)
-
-
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -141,29 +121,6 @@ class RankOrder(nn.Module):
 @pattern
 def arrival_order_differs_across_ranks(rank, world_size, wrap):
     return train(wrap(RankOrder(rank), bucket_cap_mb=40 / 2**20), rank, world_size)
-
-
-@pattern
-def channels_last(rank, world_size, wrap):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).to(memory_format=torch.channels_last)
-    model = wrap(net)
-    return train(model, rank, world_size, forward=lambda x: model(x.view(-1, 2, 2, 2).repeat(1, 1, 3, 3)))
-
-
-@pattern
-def no_sync_accumulation(rank, world_size, wrap):
-    model, opt = wrap(mlp()), None
-    opt = optimizer(model)
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = data(step, rank, world_size)
-        half = len(x) // 2
-        with model.no_sync():
-            (F.mse_loss(model(x[:half]), y[:half]) / 2).backward()
-        (F.mse_loss(model(x[half:]), y[half:]) / 2).backward()
-        opt.step()
-    return params(model)
 
 
 @pattern
@@ -206,7 +163,7 @@ def late_freezing_and_unfreezing(rank, world_size, wrap):
 @pattern
 def non_contiguous_parameters(rank, world_size, wrap):
     net = mlp()
-    for layer in (net[0], net[2]):  # transposed storage: dense, but not in row-major order
+    for layer in (net[0], net[2]):  # transposed storage: dense, not row-major, as channels_last weights are
         layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
     net[4].weight = nn.Parameter(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))[::2])  # strided
     return train(wrap(net, bucket_cap_mb=600 / 2**20), rank, world_size)
@@ -229,44 +186,21 @@ def frozen_at_wrap_then_unfrozen(rank, world_size, wrap):
     return train(model, rank, world_size) | {"before": result["params"]}
 
 
-def checkpointed(reentrant: bool):
-    class Checkpointed(nn.Module):
-        """The last layers are checkpointed: backward's first gradients come from a nested backward."""
+class Checkpointed(nn.Module):
+    """The last layers in a re-entrant checkpoint: backward's first gradients come from a nested backward."""
 
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.body, self.tail = nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 2))
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.tail = nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 2))
 
-        def forward(self, x):
-            return checkpoint(self.tail, self.body(x), use_reentrant=reentrant)
-
-    return Checkpointed()
-
-
-@pattern
-def activation_checkpointing(rank, world_size, wrap):
-    return train(wrap(checkpointed(False)), rank, world_size)
+    def forward(self, x):
+        return checkpoint(self.tail, self.body(x), use_reentrant=True)
 
 
 @pattern
 def activation_checkpointing_reentrant(rank, world_size, wrap):
-    return train(wrap(checkpointed(True)), rank, world_size)
-
-
-@pattern
-def grad_scaler_unscale_then_clip(rank, world_size, wrap):  # clipping reads the averaged gradients
-    model = wrap(mlp())
-    opt, scaler = optimizer(model), torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = data(step, rank, world_size)
-        scaler.scale(F.mse_loss(model(x), y)).backward()
-        scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        scaler.step(opt)
-        scaler.update()
-    return params(model)
+    return train(wrap(Checkpointed()), rank, world_size)
 
 
 class Heads(nn.Module):
@@ -291,22 +225,6 @@ def unused_on_every_rank(rank, world_size, wrap):
 def unused_on_some_ranks(rank, world_size, wrap):
     model = wrap(Heads(), find_unused_parameters=True)
     return train(model, rank, world_size, forward=lambda x: model(x, use_spare=rank == 1))
-
-
-@pattern
-def no_sync_on_another_branch(rank, world_size, wrap):
-    # torch's test_grads_same_across_ranks_with_no_sync: a head used only in no_sync() is still averaged
-    model = wrap(Heads(), find_unused_parameters=True)
-    opt = optimizer(model)
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = data(step, rank, world_size)
-        half = len(x) // 2
-        with model.no_sync():
-            F.mse_loss(model(x[:half], use_spare=True), y[:half]).backward()
-        F.mse_loss(model(x[half:]), y[half:]).backward()
-        opt.step()
-    return params(model)
 
 
 def bn_net() -> nn.Module:
@@ -380,28 +298,6 @@ def retain_graph_second_backward(rank, world_size, wrap):
         out = model(x)
         F.mse_loss(out, y).backward(retain_graph=True)
         out.pow(2).mean().backward()
-        opt.step()
-    return params(model)
-
-
-@pattern
-def parameterless_module(rank, world_size, wrap):
-    model = wrap(nn.BatchNorm1d(8, affine=False))
-    for step in range(STEPS):
-        x, _ = data(step, rank, world_size)
-        model(x + rank)
-    model(torch.ones(2, 8))
-    return {"running_mean": model.module.running_mean.clone()}
-
-
-@pattern
-def sparse_embedding(rank, world_size, wrap):
-    torch.manual_seed(0)
-    model = wrap(nn.Sequential(nn.Embedding(10, 2, sparse=True)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        model(torch.arange(rank, 10, 3)).sum().backward()
         opt.step()
     return params(model)
 

@@ -17,7 +17,7 @@ def run(speed):
     return {"train_images_per_s": speed, "model_state_mib": [9.5, 9.0]}
 
 
-def test_the_table_has_medians_and_ratios_of_paired_rounds_and_says_what_it_skipped():
+def test_the_tables_have_medians_ratios_of_paired_rounds_what_was_skipped_and_times_to_accuracy():
     # Round 2 ran on a slower machine for both: the paired ratio stays 2, the ratio of medians would not.
     samples = {
         "single": [run(1200.0), run(1000.0), run(1100.0)],
@@ -28,20 +28,8 @@ def test_the_table_has_medians_and_ratios_of_paired_rounds_and_says_what_it_skip
     table = bench.markdown(samples, skipped, ARGS)
     assert "| single | 1,100 | 1,000 – 1,200 | 9.5 |" in table  # model state: the fullest rank's
     assert "| ddp / torch_ddp | 2.00 | 2.00 – 2.10 |" in table
-    assert "skipped single_bf16: " in table and "| single_bf16 / single | skipped: " in table
+    assert "skipped single_bf16: " in table and "| single_bf16 / single | skipped: " in table  # emulated on a CPU
 
-
-@pytest.mark.parametrize(
-    "device, flags, skipped",
-    [("cpu", [], True), ("cpu", ["amx_tile"], True), ("cpu", ["avx512_bf16"], False), ("cuda", [], False)],
-)
-def test_bf16_is_skipped_only_on_a_cpu_that_emulates_it(device, flags, skipped):
-    chosen, why = bench.choose(None, device, flags)
-    assert ("single_bf16" in why) is skipped and set(chosen) | set(why) == set(bench.CASES)
-    assert bench.choose("single_bf16,single", device, flags) == (["single_bf16", "single"], {})  # named: it runs
-
-
-def test_time_to_accuracy_table_medians_worst_and_misses():
     def tta(s91, s92):
         return {"seconds_to": [s91, s92]}
 
@@ -54,7 +42,7 @@ def test_time_to_accuracy_table_medians_worst_and_misses():
     assert "| torch_ddp | 92.0% | 2/3 | 51.0 | not reached |" in table
 
 
-@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--steps", "abc"), ("--repeats", "0"), ("--warmup", "-1")])
+@pytest.mark.parametrize("flag, value", [("--steps", "abc"), ("--warmup", "-1")])
 def test_a_count_that_cannot_be_is_one_line_naming_the_flag(tmp_path, flag, value):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--cases", "single", flag, value, "--out", str(tmp_path / "out")])

@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_patterns import Heads
 from helpers import Raised, run_batch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.model import ConvNet
 from mnist_dist.parallel import DistributedDataParallel
@@ -26,7 +28,6 @@ def ranks(tmp_path_factory):
             "unused": (unused_parameter,),
             "signature": (torch_signature,),
             "shapes differ": (shapes_differ,),
-            "buffer broadcasts": (buffer_broadcasts,),
             "views": (gradients_as_bucket_views,),
             "shared": (shared_across_checkpoint,),
             "all checkpointed": (all_checkpointed,),
@@ -85,23 +86,8 @@ def test_gradients_equal_single_process_on_global_batch(ranks):
             torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-class TwoHeads(nn.Module):
-    """A model whose second head is used only when asked."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-        self.spare = nn.Linear(8, 2)
-
-    def forward(self, x, use_spare=True):
-        h = self.body(x).relu()
-        return self.head(h) + (self.spare(h) if use_spare else 0)
-
-
 def unused_parameter(rank, world_size):
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(TwoHeads())
+    ddp = DistributedDataParallel(Heads())
     x = torch.randn(4, 8)
     try:
         for _ in range(2):
@@ -123,20 +109,21 @@ def test_unused_parameter_is_named(ranks):
 def torch_signature(rank, world_size):
     """torch DDP's constructor: its positional order, its own refusals, and ours of what this one does not do."""
     calls = {
-        "positional": lambda: core.DistributedDataParallel(
-            TwoHeads(), None, None, 0, False, True, dist.group.WORLD, 25
-        ),
-        "device_ids on cpu": lambda: core.DistributedDataParallel(TwoHeads(), [rank]),
-        "static_graph": lambda: core.DistributedDataParallel(TwoHeads(), static_graph=True),
-        "mixed_precision": lambda: core.DistributedDataParallel(TwoHeads(), mixed_precision=object()),
-        "device_mesh": lambda: core.DistributedDataParallel(TwoHeads(), device_mesh=object()),
+        "positional": lambda: core.DistributedDataParallel(Heads(), None, None, 0, False, True, dist.group.WORLD, 25),
+        "device_ids on cpu": lambda: core.DistributedDataParallel(Heads(), [rank]),
+        "static_graph": lambda: core.DistributedDataParallel(Heads(), static_graph=True),
+        "mixed_precision": lambda: core.DistributedDataParallel(Heads(), mixed_precision=object()),
+        "device_mesh": lambda: core.DistributedDataParallel(Heads(), device_mesh=object()),
+        "parameterless": lambda: core.DistributedDataParallel(nn.BatchNorm1d(8, affine=False)),
+        "parameterless, torch's": lambda: TorchDDP(nn.BatchNorm1d(8, affine=False)),
+        "sparse": lambda: core.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 2, sparse=True))),
     }
     said = {}
     for key, call in calls.items():
         try:
             model = call()
             said[key] = (model.forward_sync_buffers, model.process_group is dist.group.WORLD)
-        except (ValueError, NotImplementedError) as error:
+        except (ValueError, NotImplementedError, RuntimeError) as error:
             said[key] = f"{type(error).__name__}: {error}"
     return said
 
@@ -147,6 +134,9 @@ def test_torch_ddp_constructor_in_its_order_and_what_is_not_supported_refused_by
         assert said["device_ids on cpu"].startswith("ValueError: device_ids")  # as torch's, on a CPU module
         for name in ("static_graph", "mixed_precision", "device_mesh"):
             assert said[name].startswith(f"NotImplementedError: {name}: not supported")
+        for key in ("parameterless", "parameterless, torch's"):
+            assert "doesn't have any parameter that requires a gradient" in said[key]
+        assert said["sparse"].startswith("ValueError: 0.weight gets sparse gradients")  # torch's takes them
 
 
 def shapes_differ(rank, world_size):
@@ -159,23 +149,6 @@ def shapes_differ(rank, world_size):
 def test_parameters_whose_shapes_differ_across_ranks_are_refused_naming_one(ranks):
     for message in ranks("shapes differ"):
         assert "DDP expects same model across all ranks" in message and "1.weight" in message
-
-
-def buffer_broadcasts(rank, world_size):
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
-    sent, broadcast = [], dist.broadcast
-    dist.broadcast = lambda tensor, **kwargs: sent.append(str(tensor.dtype)) or broadcast(tensor, **kwargs)
-    try:
-        model(torch.randn(4, 8))
-    finally:
-        dist.broadcast = broadcast
-    return sent
-
-
-def test_buffers_travel_in_one_broadcast_per_dtype(ranks):
-    # which buffers and when, rank by rank against torch DDP: test_ddp_equivalence.py's batchnorm patterns
-    for sent in ranks("buffer broadcasts"):
-        assert sorted(sent) == ["torch.float32", "torch.int64"]  # running mean and var, batches seen
 
 
 class SharedAcrossCheckpoint(nn.Module):
@@ -209,13 +182,12 @@ def test_second_gradient_in_one_backward_after_its_bucket_was_sent_is_refused(ra
 
 
 def gradients_as_bucket_views(rank, world_size):
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(TwoHeads(), gradient_as_bucket_view=True)  # one bucket: a flat buffer
+    ddp = DistributedDataParallel(Heads(), gradient_as_bucket_view=True)  # one bucket: a flat buffer
     x = torch.randn(4, 8) * (rank + 1)
     seen = []
     for set_to_none in (True, True, False, False):  # the first backward records the plan
         ddp.zero_grad(set_to_none=set_to_none)
-        ddp(x).sum().backward()
+        ddp(x, use_spare=True).sum().backward()
         buffers = [bucket.buffer for bucket in ddp._buckets]
         seen.append(
             [

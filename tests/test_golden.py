@@ -1,8 +1,5 @@
-"""A golden loss curve pins single mode: the first 20 steps on generated data, committed in
-tests/golden/single_loss.json. Every other mode is tested against single; this catches a drift that
-all modes would share (the model, the data pipeline, the optimizer, the seeding).
-
-A change that moves the curve on purpose regenerates the file, in the same commit:
+"""A golden loss curve pins single mode's first 20 steps on generated data (tests/golden/single_loss.json): the drift
+that every mode would share, as all are tested against single. A change that moves it on purpose regenerates it:
 
     MNIST_DIST_REGOLDEN=1 python -m pytest tests/test_golden.py
 """

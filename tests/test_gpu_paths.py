@@ -17,7 +17,6 @@ from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
 from mnist_dist.operations import checkpoint
 from mnist_dist.topology import Topology, from_env, setup_process
 
-DP_MODES = ["dp", "dp_block", "dp_functional"]
 # The module, not the function torch.nn.parallel exports under the same name.
 torch_data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
 
@@ -32,15 +31,14 @@ def four_gpus(monkeypatch):
     monkeypatch.setattr(torch_data_parallel, "_check_balance", lambda device_ids: None)
 
 
-@pytest.mark.parametrize("name", DP_MODES)
-def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus, name):
-    # nn.DataParallel(device_ids=None) means every visible GPU: 4 GPUs crashed, 1 trained on cuda:0.
+def test_dp_on_the_cpu_uses_no_gpu_where_gpus_are_visible(four_gpus):
+    # nn.DataParallel(device_ids=None) means every visible GPU: 4 GPUs crashed, 1 trained on cuda:0. The device
+    # ids are chosen once for the three dp modes.
     torch.manual_seed(0)
     plain = ConvNet(dropout=False)
     model = ConvNet(dropout=False)
     model.load_state_dict(plain.state_dict())
-    options = {"dp_block": {"dp_block": "features"}, "dp_functional": {"dp_functional": True}}.get(name, {})
-    wrapped = wrap_model(model, MODES[name].schema(name=name, **options), torch.device("cpu"), gpus=4)
+    wrapped = wrap_model(model, MODES["dp"].schema(name="dp"), torch.device("cpu"), gpus=4)
     assert [m.device_ids for m in wrapped.modules() if hasattr(m, "device_ids")] == [[]]
     assert {p.device for p in wrapped.parameters()} == {torch.device("cpu")}
     x = torch.randn(8, 1, 28, 28)
@@ -72,7 +70,7 @@ def test_the_clocks_read_once_the_compute_stream_of_every_device_is_done(monkeyp
     assert synced == devices * 2 and clock.seconds > 0
 
 
-def test_the_devices_of_a_process(make_config):
+def test_the_devices_of_a_process():
     two = [torch.device("cuda:0"), torch.device("cuda:1")]
     assert Topology("dp", "cuda", 1, gpus=2).devices == two
     assert Topology("split", "cuda", 1, gpus=4).devices == two  # split uses at most 2
@@ -111,37 +109,26 @@ def test_tf32_is_off_by_default(make_config):
     assert make_config().tf32 is False
 
 
-@pytest.fixture
-def srun_task(monkeypatch):
-    """This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``."""
+def test_an_srun_task_finds_its_gpu_and_device_cuda_without_one_is_an_error(make_config, monkeypatch):
+    # This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``.
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(key, raising=False)
-    slurm = {
-        "SLURM_PROCID": "1",
-        "SLURM_NTASKS": "4",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODELIST": "node1",
-        "SLURM_STEP_ID": "0",
-    }
-    for key, value in {**slurm, "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}.items():
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODELIST": "node1"}
+    slurm |= {"SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+    for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-
-
-def test_srun_with_one_gpu_per_task_uses_cuda_0(make_config, monkeypatch, srun_task):
+    ddp = ("mode=ddp", "gpus=4", "device=cuda")
     # --gpus-per-task=1: each task sees its own GPU as cuda:0; SLURM_LOCALID is not a device index.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
-    found = from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+    found = from_env(make_config(*ddp))
     assert (found.rank, found.local_rank, found.device) == (1, 1, torch.device("cuda:0"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # every task sees the node's GPUs
-    assert from_env(make_config("mode=ddp", "gpus=4", "device=cuda")).device == torch.device("cuda:1")
-
-
-def test_srun_with_device_cuda_and_no_gpu_is_an_error(make_config, monkeypatch, srun_task):
+    assert from_env(make_config(*ddp)).device == torch.device("cuda:1")
     # from_env's one device check, whichever launcher (torchrun, srun) set the variables
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
-        from_env(make_config("mode=ddp", "gpus=4", "device=cuda"))
+        from_env(make_config(*ddp))
     assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
 
 

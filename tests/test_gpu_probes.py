@@ -22,17 +22,6 @@ def test_replica_dtype_row_fails_with_the_dtype_lost_in_the_threads(monkeypatch,
     assert ("bfloat16 in 2 threads; raw torch" if bug else "float16 in 2 threads; raw torch: bfloat16") in row.figure
 
 
-def test_replica_dtype_row_counts_threads_that_ran_one_after_another(monkeypatch):
-    # A finished thread's ident is given to the next one (CPython reuses them): the probe keeps the threads.
-    def one_after_another(modules, inputs, kwargs_tup=None, devices=None):
-        return [out for module, args in zip(modules, inputs) for out in threaded_parallel_apply([module], [args])]
-
-    monkeypatch.setattr(our_dp, "parallel_apply", one_after_another)
-    monkeypatch.setattr(gpu_check.torch_data_parallel, "parallel_apply", one_after_another)
-    for _ in range(5):  # each try reuses the ident with some chance; five make a count by ident fail
-        assert gpu_check.replica_dtype("dp_functional", torch.device("cpu"), torch.float16).ok
-
-
 @pytest.mark.parametrize("device_id", [True, False])
 def test_nccl_row_fails_without_device_id(monkeypatch, tmp_path, device_id):
     # NCCL stood in for by gloo on a file store, bound (to the CPU) where it is given device_id, as NCCL's is.

@@ -42,11 +42,7 @@ def train(rank: int, world_size: int, wrapper: str, pattern: str) -> dict:
     torch.manual_seed(0)
     unused = pattern == "unused"
     net = Net(extra=unused)
-    model = (
-        DistributedDataParallel(net, find_unused_parameters=unused)
-        if wrapper == "ours"
-        else TorchDDP(net, find_unused_parameters=unused)
-    )
+    model = {"ours": DistributedDataParallel, "torch": TorchDDP}[wrapper](net, find_unused_parameters=unused)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with model.join(divide_by_initial_world_size=pattern != "effective"):
         for step, (x, y) in enumerate(batches(rank)):

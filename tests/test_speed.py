@@ -61,6 +61,6 @@ def test_fp16_scales_the_gradients_and_bf16_does_not():
 
 @pytest.mark.slow
 def test_compile_and_channels_last_compute_the_same_curve(make_config, tmp_path, fp32):
-    # one run for both: either one off moves the curve (NHWC in our DDP's buckets: test_ddp_equivalence.py)
+    # one run for both: either one off moves the curve (NHWC weights in our DDP's buckets: ddp_patterns.py)
     faster = losses(make_config, tmp_path, "compile=true", "channels_last=true")
     torch.testing.assert_close(faster, fp32, rtol=1e-4, atol=1e-5)

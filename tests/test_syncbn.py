@@ -12,12 +12,12 @@ from mnist_dist.parallel.syncbn import convert_sync_batchnorm
 from mnist_dist.tools import write_idx
 from mnist_dist.tools.compare import compose_configs
 
-SHARES = {2: [3, 5], 3: [4, 1, 6]}  # images per rank: unequal on purpose
+SHARES = [4, 1, 6]  # images per rank: unequal on purpose
 
 
-def batch(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    total = sum(SHARES[world_size])
+    total = sum(SHARES)
     x = 3 * torch.randn(total, 4, 5, 5, generator=generator) + 1
     return x, torch.randn(total, 4, 5, 5, generator=generator)  # the upstream gradient, a weighted sum's
 
@@ -48,9 +48,9 @@ def two_steps(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> dic
 
 
 def on_ranks(rank: int, world_size: int) -> dict:
-    x, upstream = batch(world_size)
-    start = sum(SHARES[world_size][:rank])
-    share = slice(start, start + SHARES[world_size][rank])
+    x, upstream = batch()
+    start = sum(SHARES[:rank])
+    share = slice(start, start + SHARES[rank])
     found = two_steps(convert_sync_batchnorm(nn.Sequential(layer()))[0], x[share], upstream[share])
     for key in ("grad_weight", "grad_bias"):  # this rank's own: the DDP wrapper adds them up (averages)
         dist.all_reduce(found[key])
@@ -60,16 +60,15 @@ def on_ranks(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return {n: run_batch({"bn": (on_ranks,)}, n, tmp_path_factory.mktemp(f"syncbn{n}"))["bn"] for n in SHARES}
+    return run_batch({"bn": (on_ranks,)}, len(SHARES), tmp_path_factory.mktemp("syncbn"))["bn"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_compute_what_one_process_computes_on_the_whole_batch(ranks, world_size):
-    expected = two_steps(layer(), *batch(world_size))
-    alone = two_steps(convert_sync_batchnorm(nn.Sequential(layer()))[0], *batch(world_size))  # no process group
+def test_ranks_compute_what_one_process_computes_on_the_whole_batch(ranks):
+    expected = two_steps(layer(), *batch())
+    alone = two_steps(convert_sync_batchnorm(nn.Sequential(layer()))[0], *batch())  # no process group
     for key in ("y", "grad_x", "grad_weight", "eval"):
         torch.testing.assert_close(alone[key], expected[key])  # a plain BatchNorm
-    for found in ranks[world_size]:
+    for found in ranks:
         share = found["share"]
         torch.testing.assert_close(found["y"], expected["y"][share], rtol=0, atol=1e-5)
         torch.testing.assert_close(found["grad_x"], expected["grad_x"][share], rtol=0, atol=1e-5)
