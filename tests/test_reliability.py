@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, run_ranks
+from helpers import HANG_S, run_batch
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.operations import rundir
 from mnist_dist.topology import resolve
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
@@ -164,10 +165,35 @@ def _is_loopback(address: str) -> bool:
     return host == "0" * 31 + "1" or host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
 
 
-def test_a_spawned_job_listens_on_loopback_only(tmp_path):
-    addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
+def _run_dirs_on_two_nodes(rank, world_size, nodes):
+    """Rank r as node r's one rank, in that node's working directory: the run directories it trains in."""
+    os.chdir(Path(nodes, f"node{rank}"))
+    default = Path.cwd() / "outputs" / "day" / f"time_{rank}"  # each node's Hydra would name its own
+    return [rundir.on_this_node(default), rundir.on_this_node(Path(nodes, f"elsewhere_{rank}"))]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One spawned job of 2 ranks for the checks below."""
+    nodes = tmp_path_factory.mktemp("nodes")
+    for node in ("node0", "node1"):
+        (nodes / node).mkdir()
+    calls = {"listeners": (_listeners_of_job,), "run_dirs": (_run_dirs_on_two_nodes, str(nodes))}
+    return nodes, run_batch(calls, 2, nodes)
+
+
+def test_a_spawned_job_listens_on_loopback_only(job):
+    addresses = job[1]["listeners"][0]
     assert addresses, "found no listening socket at all: the check would prove nothing"
     assert [a for a in addresses if not _is_loopback(a)] == []
+
+
+def test_two_nodes_without_a_shared_disk_each_create_rank_0s_run_directory(job):
+    # Under torchrun each node creates rank 0's directory: under its own working directory where rank 0's
+    # lies under rank 0's (Hydra's default outputs/...), else at the same path.
+    nodes, run_dirs = job[0], job[1]["run_dirs"]
+    assert run_dirs == [[nodes / f"node{n}/outputs/day/time_0", nodes / "elsewhere_0"] for n in range(2)]
+    assert all(path.is_dir() for pair in run_dirs for path in pair)
 
 
 def _alive(pid: int) -> bool:
@@ -257,38 +283,6 @@ def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
     with pytest.raises(ConfigError, match=r"batch_size=1024 is larger than the training set \(640 images\)"):
         launch(make_config("batch_size=1024", "epochs=1"), tmp_path)
     assert list(tmp_path.iterdir()) == []
-
-
-def _node(node: int, cwd: Path, port: int, *overrides: str) -> subprocess.Popen:
-    """One torchrun agent of a two-node job on 127.0.0.1, one worker per node."""
-    cwd.mkdir(exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
-        + ["--master_addr=127.0.0.1", f"--master_port={port}", "-m", "mnist_dist", "mode=ddp", "device=cpu"]
-        + list(overrides),
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-@pytest.mark.slow
-def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_root, tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    settings = [f"data.root={tiny_root}", *TINY, "epochs=1", "model._target_=failing_model.NarrowConvNet"]
-    nodes = [_node(n, tmp_path / f"node{n}", port, *settings) for n in range(2)]
-    for node in nodes:
-        _, err = node.communicate(timeout=HANG_S)
-        assert node.returncode == 0, err
-    (run0,) = (tmp_path / "node0" / "outputs").glob("*/*")
-    (run1,) = (tmp_path / "node1" / "outputs").glob("*/*")
-    assert run1.relative_to(tmp_path / "node1") == run0.relative_to(tmp_path / "node0")
-    assert {"results.json", "checkpoint.pt", "rank_0.log"} <= {p.name for p in run0.iterdir()}
-    assert "rank_1.log" not in {p.name for p in run0.iterdir()}
-    assert "rank_1.log" in {p.name for p in run1.iterdir()}
 
 
 @pytest.mark.slow
