@@ -2,13 +2,13 @@
 comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in docs/running.md."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mnist_dist import __main__ as command
 from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
@@ -23,35 +23,16 @@ def tags(path: Path) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.slow
-def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
+def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path, monkeypatch, cli_in_process):
     sweep = tmp_path / "sweep"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mnist_dist",
-            "-m",
-            "mode=single,ddp",
-            "gpus=2",
-            "epochs=1",
-            "log_every=5",
-            f"data.root={tiny_root}",
-            "data.mirrors=[]",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    # Each run said its own directory.
-    for run in ("1_ddp_epochs=1,gpus=2,log_every=5", "0_single_epochs=1,gpus=2,log_every=5"):
-        assert f" INFO run directory: {sweep / run}\n" in result.stderr
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
-        "0_single_epochs=1,gpus=2,log_every=5",
-        "1_ddp_epochs=1,gpus=2,log_every=5",
-    ]
-    ddp, single = sweep / "1_ddp_epochs=1,gpus=2,log_every=5", sweep / "0_single_epochs=1,gpus=2,log_every=5"
+    overrides = ["mode=single,ddp", "gpus=2", "epochs=1", "log_every=5", f"data.root={tiny_root}", "data.mirrors=[]"]
+    monkeypatch.setattr(sys, "argv", ["mnist_dist", "-m", *overrides, f"hydra.sweep.dir={sweep}"])
+    command.main()  # a sweep that completes returns (cli_in_process: its signal handlers put back)
+    names = ["0_single_epochs=1,gpus=2,log_every=5", "1_ddp_epochs=1,gpus=2,log_every=5"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == names
+    single, ddp = (sweep / name for name in names)
+    for run in (single, ddp):  # each run says its own directory (rank 0's log: what its console showed)
+        assert f" INFO run directory: {run}\n" in (run / "rank_0.log").read_text()
     # TensorBoard's run list: one run per mode, i.e. event files in <run>/tb and nowhere else.
     assert {path.parent for path in sweep.rglob("events.out.tfevents.*")} == {tb_dir(ddp), tb_dir(single)}
     written, tensors = tags(tb_dir(ddp))
