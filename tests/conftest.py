@@ -38,7 +38,7 @@ def forkserver_with_what_every_rank_imports():
     import it at their first step), torch's state-dict API (at the first checkpoint), the app and helpers. A private
     name is the tests' to use, not the package's. Started as mnist_dist.parallel.spawn starts it, Ctrl-C blocked;
     spawn's own preload list then goes unused."""
-    preload = ["torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "mnist_dist.launch", "helpers"]
+    preload = ["torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "mnist_dist.__main__", "helpers"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     multiprocessing.resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -7,11 +7,12 @@ Tests import these from here (``from helpers import ...``), never from each othe
 from __future__ import annotations
 
 import os
+import runpy
 import socket
-import subprocess
 import sys
 import threading
 from datetime import timedelta
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -117,19 +118,31 @@ def assert_machine_fields(info: dict) -> None:
         assert info["gpu"] and info["cuda"]
 
 
+def _srun_task(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """``python -m mnist_dist <argv>`` as an srun task runs it, in this process: a child of the tests' server."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["mnist_dist", *argv]
+    runpy.run_module("mnist_dist", run_name="__main__", alter_sys=True)
+
+
 def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
-    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes.
+    Forked from the tests' server, which has imported torch and the app: no interpreter to start."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    tasks = []
+    argv, tasks = [*overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"], []
     for rank in range(2):
         slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
-        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0}
-        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
-        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
-        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
-    return [task.wait(timeout=300) for task in tasks]
+        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0, "SLURM_RESTART_COUNT": restarts}
+        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}}
+        tasks.append(get_context("forkserver").Process(target=_srun_task, args=(argv, env, run_dir.parent)))
+        tasks[-1].start()
+    for task in tasks:
+        task.join(timeout=300)
+    return [task.exitcode for task in tasks]
 
 
 def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
