@@ -25,10 +25,12 @@ def tags(path: Path) -> tuple[set[str], set[str]]:
 @pytest.mark.slow
 def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path, monkeypatch, cli_in_process):
     sweep = tmp_path / "sweep"
-    overrides = ["mode=single,ddp", "gpus=2", "epochs=1", "log_every=5", f"data.root={tiny_root}", "data.mirrors=[]"]
-    monkeypatch.setattr(sys, "argv", ["mnist_dist", "-m", *overrides, f"hydra.sweep.dir={sweep}"])
+    overrides = ["mode=single,ddp", "gpus=2", "epochs=1", "log_every=5", "model._target_=failing_model.NarrowConvNet"]
+    places = [f"data.root={tiny_root}", "data.mirrors=[]", f"hydra.sweep.dir={sweep}"]
+    monkeypatch.setattr(sys, "argv", ["mnist_dist", "-m", *overrides, *places])
     command.main()  # a sweep that completes returns (cli_in_process: its signal handlers put back)
-    names = ["0_single_epochs=1,gpus=2,log_every=5", "1_ddp_epochs=1,gpus=2,log_every=5"]
+    named = "epochs=1,gpus=2,log_every=5,model._target_=failing_model.NarrowConvNet"  # Hydra's override_dirname
+    names = [f"0_single_{named}", f"1_ddp_{named}"]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == names
     single, ddp = (sweep / name for name in names)
     for run in (single, ddp):  # each run says its own directory (rank 0's log: what its console showed)
