@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from multiprocessing import get_context
 from pathlib import Path
@@ -104,6 +106,42 @@ def run_batch(calls: dict, world_size: int, workdir: Path) -> dict[str, list]:
     raised gives ``Raised`` on that rank (the calls must raise alike on every rank, or not at all)."""
     by_rank = run_ranks(_each, world_size, workdir, calls)
     return {key: [results[key] for results in by_rank] for key in calls}
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not gone, nor a zombie (stopped; only its exit status waits to be read)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def children(parent: int, command_part: str) -> list[int]:
+    """The live child processes of ``parent`` whose command line contains ``command_part``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        if ppid == parent and command_part in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for(condition, deadline_s: float = HANG_S, every_s: float = 0.1) -> bool:
+    """Polls ``condition`` until it holds or ``deadline_s`` passed; whether it holds."""
+    deadline = time.monotonic() + deadline_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return condition()
+
+
+def default_sigint() -> None:
+    """A child's Ctrl-C as from a terminal (a suite started in the background, ``pytest &``, has it ignored, and
+    a process inherits that through exec): for ``preexec_fn``."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "torch", "gpus")

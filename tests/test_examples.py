@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config, scalars
+from helpers import alive, children, compose_config, scalars
 
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet, FastNet
@@ -96,28 +96,6 @@ def run_example(launcher: list[str], args: list[str], env: dict) -> dict:
     return {"losses": losses, "epochs": epochs, "stdout": result.stdout, "weights": torch.load(out / "model.pt")}
 
 
-def ranks_of(launcher: int) -> list[int]:
-    """The processes ``launcher`` spawned as ranks (its children running multiprocessing's spawn_main)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
-            continue
-        if parent == launcher and b"spawn_main" in command:
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a process that still runs (not gone, not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.slow
 def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(small_root, no_app, tmp_path):
     # The uninterrupted run: the app's mode=ddp, bit for bit what the example computes (the same kernels,
@@ -144,13 +122,13 @@ def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(sma
     try:
         while not checkpoint.exists() and launcher.poll() is None:  # the ranks train
             time.sleep(0.01)
-        ranks = ranks_of(launcher.pid)
+        ranks = children(launcher.pid, "spawn_main")  # its ranks
         os.kill(launcher.pid, signal.SIGINT)
         stdout, stderr = launcher.communicate(timeout=120)
-        survivors = [pid for pid in ranks if running(pid)]
+        survivors = [pid for pid in ranks if alive(pid)]
     finally:
         for pid in [launcher.pid, *ranks]:
-            if running(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert len(ranks) == 2 and survivors == []
     assert launcher.returncode == 130 and len(stderr.splitlines()) == 1 and "interrupted" in stderr, stderr

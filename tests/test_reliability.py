@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, run_batch
+from helpers import HANG_S, alive, children, default_sigint, run_batch, wait_for
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
@@ -33,18 +33,6 @@ def start(tmp_path, *overrides, **popen):
         text=True,
         **popen,
     )
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def wait_for(condition, deadline_s: float = HANG_S, every_s: float = 0.1) -> bool:
-    """Polls ``condition`` until it holds or ``deadline_s`` passed; whether it holds."""
-    deadline = time.monotonic() + deadline_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(every_s)
-    return condition()
 
 
 def test_fewer_gpus_than_asked_is_one_line(make_config, monkeypatch):
@@ -93,7 +81,7 @@ def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path, cli_in_process)
 
 def _workers_gone(pids: Path) -> None:
     workers = [int(p.name) for p in pids.iterdir()]
-    assert wait_for(lambda: not [pid for pid in workers if _alive(pid)]), "a worker outlived the launcher"
+    assert wait_for(lambda: not [pid for pid in workers if alive(pid)]), "a worker outlived the launcher"
 
 
 # Moment 0: as soon as both workers exist, before the first checkpoint (20 steps of at least 0.05 s
@@ -116,7 +104,7 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
     ddp = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY]
     # A session of its own, as a terminal's foreground job; SIGINT not ignored, as from a terminal (a suite
     # started in the background, `pytest &`, has it ignored, and a process inherits that through exec).
-    process = start(tmp_path, *ddp, *slow, preexec_fn=_default_sigint, start_new_session=True)
+    process = start(tmp_path, *ddp, *slow, preexec_fn=default_sigint, start_new_session=True)
     if moment:
         time.sleep(random.Random(moment).uniform(0.3, 15.0))
     else:
@@ -196,14 +184,6 @@ def test_two_nodes_without_a_shared_disk_each_create_rank_0s_run_directory(job):
     assert all(path.is_dir() for pair in run_dirs for path in pair)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be read
-
-
 @pytest.mark.slow
 def test_a_live_runs_directory_is_refused_and_its_workers_die_with_a_killed_launcher(
     tiny_root, tmp_path, cli_in_process
@@ -219,26 +199,12 @@ def test_a_live_runs_directory_is_refused_and_its_workers_die_with_a_killed_laun
         assert code.startswith(f"error: {tmp_path}/run is in use by another run that is still alive; wait for it")
         assert process.poll() is None and not (tmp_path / "run" / "results.json").exists()
         workers = [int(p.name) for p in pids.iterdir()]
-        servers = _children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
+        servers = children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
         assert len(servers) == 1
     finally:
         process.kill()
         process.wait()
-    assert wait_for(lambda: not [pid for pid in workers + servers if _alive(pid)])
-
-
-def _children(parent: int, command_part: str) -> list[int]:
-    """The live child processes of ``parent`` whose command line contains ``command_part``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == parent and command_part in command:
-            found.append(int(stat.parent.name))
-    return found
+    assert wait_for(lambda: not [pid for pid in workers + servers if alive(pid)])
 
 
 def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path, cli_in_process, capfd):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import alive, wait_for
 
 from mnist_dist.parallel import WorkerFailed, spawn
 
@@ -78,20 +79,10 @@ def test_forkserver_workers_see_the_callers_environment(tmp_path, monkeypatch):
 # --- a stuck rank, a rank that fails first ------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def assert_all_gone(pid_dir: Path, count: int) -> None:
     pids = [int(p.name) for p in pid_dir.iterdir()]
     assert len(pids) == count
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert wait_for(lambda: not [pid for pid in pids if alive(pid)], deadline_s=60)
 
 
 def _stops_responding(rank: int, world_size: int, pid_dir: str) -> None:

@@ -6,20 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import events
 
 from mnist_dist import __main__ as command
 from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
-
-
-def tags(path: Path) -> tuple[set[str], set[str]]:
-    """(scalar tags, tensor tags) of the TensorBoard run in ``path``."""
-    events = EventAccumulator(str(path))
-    events.Reload()
-    return set(events.Tags()["scalars"]), set(events.Tags()["tensors"])
 
 
 @pytest.mark.slow
@@ -37,7 +30,7 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path, monkeypa
         assert f" INFO run directory: {run}\n" in (run / "rank_0.log").read_text()
     # TensorBoard's run list: one run per mode, i.e. event files in <run>/tb and nowhere else.
     assert {path.parent for path in sweep.rglob("events.out.tfevents.*")} == {tb_dir(ddp), tb_dir(single)}
-    written, tensors = tags(tb_dir(ddp))
+    written, tensors = (set(events(ddp).Tags()[kind]) for kind in ("scalars", "tensors"))
     assert written >= GLOBAL_TAGS | {"rank_0/train/loss", "rank_1/train/loss"}
     assert "custom_scalars__config__" in tensors
     for charts in LAYOUT.values():  # every chart of the layout has something to show
