@@ -231,8 +231,8 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, cli_in_process, capfd):
-    run = small_disk / "run"
-    code = cli_in_process("mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    run, job = small_disk / "run", [f"data.root={tiny_root}", *TINY, "epochs=1", "checkpoint_every_steps=1"]
+    code = cli_in_process("mode=ddp", "gpus=2", *job, f"hydra.run.dir={run}")  # the first checkpoint: after step 1
     err = capfd.readouterr().err
     assert "Traceback" not in err and "enforce fail" not in err, err
     assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
@@ -240,7 +240,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk
     # error line names, the disk space freed; a single process leaves nothing.
     assert sorted(p.name for p in run.iterdir()) == ["rank_0.log", "rank_1.log"]
     shutil.rmtree(run)
-    code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    code = cli_in_process(*job, f"hydra.run.dir={run}")
     assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
     assert not run.exists()
 
