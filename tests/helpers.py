@@ -156,8 +156,12 @@ def assert_machine_fields(info: dict) -> None:
         assert info["gpu"] and info["cuda"]
 
 
-def _srun_task(argv: list[str], env: dict[str, str], cwd: str) -> None:
-    """``python -m mnist_dist <argv>`` as an srun task runs it, in this process: a child of the tests' server."""
+def _command(argv: list[str], env: dict[str, str], cwd: str, output: str | None) -> None:
+    os.setsid()  # a session of its own, as a terminal's foreground job
+    if output:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1), os.dup2(fd, 2)  # its ranks' too: they are its children
+        os.close(fd)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -165,9 +169,18 @@ def _srun_task(argv: list[str], env: dict[str, str], cwd: str) -> None:
     runpy.run_module("mnist_dist", run_name="__main__", alter_sys=True)
 
 
+def command(argv: list[str], cwd: Path, env: dict | None = None, output: Path | None = None):
+    """``python -m mnist_dist <argv>`` in ``cwd`` (its own session), ``env`` added to this process's environment,
+    its output into the file ``output`` (None: nowhere asked); started, as a multiprocessing Process. Forked from the
+    tests' server, which has imported torch and the app: the command as users run it, but for starting Python."""
+    args = (list(argv), {**os.environ, **(env or {})}, str(cwd), output and str(output))
+    process = get_context("forkserver").Process(target=_command, args=args)
+    process.start()
+    return process
+
+
 def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
-    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes.
-    Forked from the tests' server, which has imported torch and the app: no interpreter to start."""
+    """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -175,9 +188,7 @@ def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
     for rank in range(2):
         slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
         slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0, "SLURM_RESTART_COUNT": restarts}
-        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}}
-        tasks.append(get_context("forkserver").Process(target=_srun_task, args=(argv, env, run_dir.parent)))
-        tasks[-1].start()
+        tasks.append(command(argv, run_dir.parent, {k: str(v) for k, v in slurm.items()}))
     for task in tasks:
         task.join(timeout=300)
     return [task.exitcode for task in tasks]
