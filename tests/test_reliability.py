@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, alive, children, default_sigint, run_batch, wait_for
+from helpers import HANG_S, alive, children, command, default_sigint, run_batch, wait_for
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
@@ -192,18 +192,19 @@ def test_a_live_runs_directory_is_refused_and_its_workers_die_with_a_killed_laun
     pids.mkdir()
     # 1,000 steps of 0.5 s: an orphan would train for more than HANG_S
     slow = [FAILING, "+model.fail_rank=-1", "+model.step_seconds=0.5", f"+model.pid_dir={pids}", "epochs=50"]
-    process = start(tmp_path, "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, *slow)
+    run = [f"data.root={tiny_root}", *TINY, f"hydra.run.dir={tmp_path}/run"]
+    process = command(["mode=ddp", "gpus=2", *run, *slow], tmp_path, output=tmp_path / "run.out")
     try:
         assert wait_for(lambda: len(list(pids.iterdir())) == 2)
-        code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={tmp_path}/run")
+        code = cli_in_process(*run, "epochs=1")
         assert code.startswith(f"error: {tmp_path}/run is in use by another run that is still alive; wait for it")
-        assert process.poll() is None and not (tmp_path / "run" / "results.json").exists()
+        assert process.is_alive() and not (tmp_path / "run" / "results.json").exists()
         workers = [int(p.name) for p in pids.iterdir()]
         servers = children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
         assert len(servers) == 1
     finally:
         process.kill()
-        process.wait()
+        process.join()
     assert wait_for(lambda: not [pid for pid in workers + servers if alive(pid)])
 
 
