@@ -5,13 +5,12 @@ under torchrun, at the exact global sample where it stopped."""
 import json
 import logging
 import shutil
-import subprocess
-import sys
+import socket
 
 import pytest
 import torch
 from failing_model import NarrowConvNet
-from helpers import HANG_S, compose_config, scalars
+from helpers import HANG_S, command, compose_config, scalars
 
 from mnist_dist.launch import _resume, launch
 from mnist_dist.operations import checkpoint, compatibility
@@ -154,13 +153,19 @@ def test_a_torchrun_worker_goes_on_at_the_world_size_torchrun_gives_it(root, run
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copyfile(runs / "ddp" / "checkpoint.1.pt", run_dir / "checkpoint.pt")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    command = [*torchrun, "-m", "mnist_dist", "mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]"]
-    command += ["progress=false", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
-    assert result.returncode == 0, result.stderr
+    # The variables torchrun gives its one worker (its own agent adds nothing to what the app does)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1"}
+    env = {key: str(value) for key, value in {**torchrun, "MASTER_PORT": port}.items()}
+    argv = ["mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]", "progress=false"]
+    worker = command([*argv, f"hydra.run.dir={run_dir}"], tmp_path, env, output=tmp_path / "worker.out")
+    worker.join(timeout=HANG_S)
+    output = (tmp_path / "worker.out").read_text()
+    assert worker.exitcode == 0, output
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["world_size"], results["steps"]) == (1, 12)
-    assert "resuming with mode=ddp on 1 ranks a checkpoint written with mode=ddp on 2" in result.stderr
+    assert "resuming with mode=ddp on 1 ranks a checkpoint written with mode=ddp on 2" in output
     assert "\ngpus: 1\n" in (run_dir / "config.yaml").read_text()  # what ran, not the checkpoint's gpus=2
     assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(runs / "ddp" / "model.pt"))
