@@ -1,6 +1,7 @@
-"""The examples run as users run them: exit 0, a checked result. examples/mnist_ddp.py, copied alone into an
-empty folder (with ddp.py, as docs/CONVERTING.md says) and run where mnist_dist cannot be imported, computes
-what the app's mode=ddp computes; stopped and started again, it ends with the uninterrupted run's weights."""
+"""The examples run as users run them (ddp_regression's worker under the launcher it uses), with a checked result.
+examples/mnist_ddp.py, copied alone into an empty folder (with ddp.py, as docs/CONVERTING.md says) and run where
+mnist_dist cannot be imported, computes what the app's mode=ddp computes; stopped and started again, it ends with
+the uninterrupted run's weights."""
 
 import ast
 import contextlib
