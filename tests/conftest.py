@@ -33,12 +33,13 @@ from helpers import compose_config  # noqa: E402  (needs tests/ on the path)
 
 @pytest.fixture(scope="session", autouse=True)
 def forkserver_with_what_every_rank_imports():
-    """The forkserver that every rank this test process starts (run_ranks, in-process launches) forks from, started
-    now with what each rank would otherwise import again, seconds of CPU apiece: torch._dynamo (torch's optimizers
-    import it at their first step), torch's state-dict API (at the first checkpoint), the app and helpers. A private
+    """The forkserver that every rank and command this test process starts (run_ranks, in-process launches,
+    helpers.command) forks from, started now with what each would otherwise import again, seconds of CPU apiece:
+    torch._dynamo (torch's optimizers import it at their first step), torch's state-dict API (at the first
+    checkpoint), the app with its command line, and helpers. A private
     name is the tests' to use, not the package's. Started as mnist_dist.parallel.spawn starts it, Ctrl-C blocked;
     spawn's own preload list then goes unused."""
-    preload = ["torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "mnist_dist.launch", "helpers"]
+    preload = ["torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "mnist_dist.__main__", "helpers"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     multiprocessing.resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -7,11 +7,14 @@ Tests import these from here (``from helpers import ...``), never from each othe
 from __future__ import annotations
 
 import os
+import runpy
+import signal
 import socket
-import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -105,6 +108,42 @@ def run_batch(calls: dict, world_size: int, workdir: Path) -> dict[str, list]:
     return {key: [results[key] for results in by_rank] for key in calls}
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not gone, nor a zombie (stopped; only its exit status waits to be read)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def children(parent: int, command_part: str) -> list[int]:
+    """The live child processes of ``parent`` whose command line contains ``command_part``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        if ppid == parent and command_part in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for(condition, deadline_s: float = HANG_S, every_s: float = 0.1) -> bool:
+    """Polls ``condition`` until it holds or ``deadline_s`` passed; whether it holds."""
+    deadline = time.monotonic() + deadline_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return condition()
+
+
+def default_sigint() -> None:
+    """A child's Ctrl-C as from a terminal (a suite started in the background, ``pytest &``, has it ignored, and
+    a process inherits that through exec): for ``preexec_fn``."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "torch", "gpus")
 
 
@@ -117,19 +156,42 @@ def assert_machine_fields(info: dict) -> None:
         assert info["gpu"] and info["cuda"]
 
 
+def _command(argv: list[str], env: dict[str, str], cwd: str, output: str | None) -> None:
+    os.setsid()  # a session of its own, as a terminal's foreground job
+    if output:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1), os.dup2(fd, 2)  # its ranks' too: they are its children
+        os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["mnist_dist", *argv]
+    runpy.run_module("mnist_dist", run_name="__main__", alter_sys=True)
+
+
+def command(argv: list[str], cwd: Path, env: dict | None = None, output: Path | None = None):
+    """``python -m mnist_dist <argv>`` in ``cwd`` (its own session), ``env`` added to this process's environment,
+    its output into the file ``output`` (None: nowhere asked); started, as a multiprocessing Process. Forked from the
+    tests' server, which has imported torch and the app: the command as users run it, but for starting Python."""
+    args = (list(argv), {**os.environ, **(env or {})}, str(cwd), output and str(output))
+    process = get_context("forkserver").Process(target=_command, args=args)
+    process.start()
+    return process
+
+
 def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
     """Two local processes as ``srun --ntasks=2`` starts them (SLURM's variables, no scheduler); their exit codes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    tasks = []
+    argv, tasks = [*overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"], []
     for rank in range(2):
         slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
-        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0}
-        env = {**os.environ, **{k: str(v) for k, v in slurm.items()}, "SLURM_RESTART_COUNT": str(restarts)}
-        command = [sys.executable, "-m", "mnist_dist", *overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"]
-        tasks.append(subprocess.Popen(command, cwd=run_dir.parent, env=env, stderr=subprocess.PIPE, text=True))
-    return [task.wait(timeout=300) for task in tasks]
+        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0, "SLURM_RESTART_COUNT": restarts}
+        tasks.append(command(argv, run_dir.parent, {k: str(v) for k, v in slurm.items()}))
+    for task in tasks:
+        task.join(timeout=300)
+    return [task.exitcode for task in tasks]
 
 
 def threaded_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):

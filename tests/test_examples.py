@@ -1,8 +1,10 @@
-"""The examples run as users run them: exit 0, a checked result. examples/mnist_ddp.py, copied alone into an
-empty folder (with ddp.py, as docs/CONVERTING.md says) and run where mnist_dist cannot be imported, computes
-what the app's mode=ddp computes; stopped and started again, it ends with the uninterrupted run's weights."""
+"""The examples run as users run them (ddp_regression's worker under the launcher it uses), with a checked result.
+examples/mnist_ddp.py, copied alone into an empty folder (with ddp.py, as docs/CONVERTING.md says) and run where
+mnist_dist cannot be imported, computes what the app's mode=ddp computes; stopped and started again, it ends with
+the uninterrupted run's weights."""
 
 import ast
+import contextlib
 import importlib.util
 import os
 import re
@@ -16,36 +18,49 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config, scalars
+from helpers import alive, children, compose_config, scalars
 
 from mnist_dist.launch import launch
 from mnist_dist.model import ConvNet, FastNet
+from mnist_dist.parallel import spawn
+from mnist_dist.tools import write_idx
 
 ROOT = Path(__file__).parent.parent
 MNIST_DDP = ROOT / "examples" / "mnist_ddp.py"
 OUR_DDP = ROOT / "examples" / "ddp.py"  # a link to mnist_dist/parallel/ddp.py: one home
-STEPS_PER_EPOCH = 10  # the tiny data: 640 images, global batch 64
-EPOCHS = 2  # a stop after the first epoch leaves one to resume, at the rate StepLR lowered
+STEPS_PER_EPOCH = 4  # 256 images, global batch 64
+EPOCHS = 3  # a stop after the first or second epoch leaves one to resume, at the rate StepLR lowered
 EPOCH_LINE = r"epoch (\d+): test loss ([\d.]+), accuracy ([\d.]+) %"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # a free port
 SPAWN = [sys.executable]  # its own launcher: --nproc 2 is the default on CPU
 EXAMPLE_FILES = {"log-losses": "losses.txt", "save": "model.pt", "checkpoint": "checkpoint.pt"}
 
 
+def _regression_rank(rank: int, world_size: int, printed: str) -> None:
+    """examples/ddp_regression.py's worker, as its launcher runs it, what it prints going to a file."""
+    import ddp_regression  # examples/ is on the path
+
+    with open(Path(printed, f"{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
+        ddp_regression.worker(rank, world_size)
+
+
 @pytest.mark.slow
-def test_ddp_regression_learns_on_two_cpu_ranks(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ddp_regression.py")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+def test_ddp_regression_learns_on_two_cpu_ranks(tmp_path, monkeypatch):
+    # Its worker under its launcher's spawn, forked from the tests' server (it raises if it did not learn)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    spawn(_regression_rank, 2, str(tmp_path), start_method="forkserver")
     pattern = r"test MSE ([\d.]+) \(target variance ([\d.]+)\), replicas identical: True\n"
-    mse, variance = map(float, re.search(pattern, result.stdout).groups())
+    mse, variance = map(float, re.fullmatch(pattern, (tmp_path / "0.txt").read_text()).groups())
     assert 0.4 < variance < 0.6 and mse < variance / 10
-    assert result.stdout.endswith("ok\n")
+    assert (tmp_path / "1.txt").read_text() == ""  # one rank reports
+
+
+@pytest.fixture(scope="module")
+def small_root(tmp_path_factory) -> Path:
+    """A data.root of 256 training and 50 test images: most of a run here is starting its processes."""
+    root = tmp_path_factory.mktemp("small")
+    write_idx(root / "MNIST" / "raw", n_train=256, n_test=50)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -82,35 +97,13 @@ def run_example(launcher: list[str], args: list[str], env: dict) -> dict:
     return {"losses": losses, "epochs": epochs, "stdout": result.stdout, "weights": torch.load(out / "model.pt")}
 
 
-def ranks_of(launcher: int) -> list[int]:
-    """The processes ``launcher`` spawned as ranks (its children running multiprocessing's spawn_main)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
-            continue
-        if parent == launcher and b"spawn_main" in command:
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a process that still runs (not gone, not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.slow
-def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(tiny_root, no_app, tmp_path):
+def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(small_root, no_app, tmp_path):
     # The uninterrupted run: the app's mode=ddp, bit for bit what the example computes (the same kernels,
     # batches and sums), every step logged.
     (tmp_path / "app").mkdir()
     launch(
-        compose_config(tiny_root, "mode=ddp", "gpus=2", "device=cpu", f"epochs={EPOCHS}", "log_every=1"),
+        compose_config(small_root, "mode=ddp", "gpus=2", "device=cpu", f"epochs={EPOCHS}", "log_every=1"),
         tmp_path / "app",
     )
     app, app_weights = scalars(tmp_path / "app"), torch.load(tmp_path / "app" / "model.pt")
@@ -121,7 +114,7 @@ def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(tin
     for file in (MNIST_DDP, OUR_DDP):  # the link followed, as cp does
         shutil.copyfile(file, tmp_path / "alone" / file.name)
     alone = tmp_path / "alone" / MNIST_DDP.name
-    args = example_args(alone, tiny_root, tmp_path / "out", "--ddp", "ours")
+    args = example_args(alone, small_root, tmp_path / "out", "--ddp", "ours")
     checkpoint = tmp_path / "out" / "checkpoint.pt"
     launcher = subprocess.Popen(
         [*SPAWN, *args], cwd=alone.parent, env=no_app, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -130,13 +123,13 @@ def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(tin
     try:
         while not checkpoint.exists() and launcher.poll() is None:  # the ranks train
             time.sleep(0.01)
-        ranks = ranks_of(launcher.pid)
+        ranks = children(launcher.pid, "spawn_main")  # its ranks
         os.kill(launcher.pid, signal.SIGINT)
         stdout, stderr = launcher.communicate(timeout=120)
-        survivors = [pid for pid in ranks if running(pid)]
+        survivors = [pid for pid in ranks if alive(pid)]
     finally:
         for pid in [launcher.pid, *ranks]:
-            if running(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert len(ranks) == 2 and survivors == []
     assert launcher.returncode == 130 and len(stderr.splitlines()) == 1 and "interrupted" in stderr, stderr
@@ -164,7 +157,7 @@ def test_mnist_ddp_alone_stopped_and_started_again_computes_the_apps_ddp_run(tin
 YOUR_DATA = '''def load_data(folder, dataset, split):
     """Not MNIST: noise in which the label is the row that is bright."""
     generator = torch.Generator().manual_seed(int(split == "train"))
-    labels = torch.randint(10, (640 if split == "train" else 200,), generator=generator)
+    labels = torch.randint(10, (256 if split == "train" else 100,), generator=generator)
     images = torch.randn(len(labels), 1, 28, 28, generator=generator)
     images[torch.arange(len(labels)), 0, 2 * labels] += 3
     return images, labels
@@ -189,7 +182,7 @@ def test_mnist_ddp_trains_its_rewritten_data_function_batchnorm_and_a_sampler_an
     script.write_text("".join(lines[: marked.lineno - 1]) + YOUR_DATA + "".join(lines[marked.end_lineno :]))
     args = example_args(script, tmp_path / "nowhere", tmp_path / "out", "--loader", "--model", "fastnet", epochs=2)
     run = run_example(TORCHRUN, args, no_app)
-    assert len(run["losses"]) == 2 * STEPS_PER_EPOCH and len(run["epochs"]) == 2  # 320 images a rank: 10 batches of 32
+    assert len(run["losses"]) == 2 * STEPS_PER_EPOCH and len(run["epochs"]) == 2  # 128 images a rank: 4 batches of 32
     assert run["losses"][-1] < run["losses"][0] / 4 and run["epochs"][-1][2] > 90
     model = FastNet()
     model.load_state_dict(run["weights"])  # strict: the app's FastNet, buffers included

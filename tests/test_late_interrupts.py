@@ -15,14 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import HANG_S
+from helpers import HANG_S, default_sigint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal; a suite started with `&` ignores it
 
 
 SLOW = ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.05", "epochs=50"]
@@ -38,7 +34,7 @@ def _under_a_terminal(command: list[str], after: bytes) -> tuple[int, str]:
         stdin=subprocess.DEVNULL,
         stdout=follower,
         stderr=follower,
-        preexec_fn=_default_sigint,
+        preexec_fn=default_sigint,
         start_new_session=True,
     )
     os.close(follower)
@@ -85,7 +81,7 @@ def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_t
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_default_sigint,
+        preexec_fn=default_sigint,
         start_new_session=True,
     )
     for line in process.stderr:
@@ -136,6 +132,6 @@ WHILE_WRITING = """if True:
 )
 def test_a_ctrl_c_as_the_line_is_written_is_one_line_more_at_most(script, said):
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=default_sigint
     )
     assert (done.returncode, done.stderr.splitlines()) == (130, said)

@@ -1,8 +1,8 @@
 """The command line as users run it: spawned ranks, torchrun, srun, a stop and the command it prints, on one
-uninterrupted ddp run that the interrupted ones must end as."""
+uninterrupted ddp run that the interrupted ones must end as. The command's processes but torchrun's are forked
+from the tests' server (helpers.command): no Python to start."""
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, scalars, srun
+from helpers import HANG_S, command, scalars, srun
 
 from mnist_dist import __main__ as command_line
 from mnist_dist.launch import launch
@@ -22,15 +22,18 @@ from mnist_dist.operations.tensorboard import tb_dir
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
 
-def cli(run_dir: Path, *overrides: str, launcher=(sys.executable, "-m", "mnist_dist"), **popen):
-    result = subprocess.run(
-        [*launcher, *overrides, f"hydra.run.dir='{run_dir}'"],  # quoted: a path may hold braces
-        cwd=run_dir.parent,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-        **popen,
-    )
+def cli(run_dir: Path, *overrides: str, launcher=None, env=None) -> subprocess.CompletedProcess:
+    """The command (``env`` added to its environment), or ``launcher`` starting it, in a process of its own writing to
+    ``run_dir``: its exit status and output (as stderr)."""
+    overrides = [*overrides, f"hydra.run.dir='{run_dir}'"]  # quoted: a path may hold braces
+    if launcher:
+        run = [*launcher, *overrides]
+        result = subprocess.run(run, cwd=run_dir.parent, capture_output=True, text=True, timeout=HANG_S)
+    else:
+        output = run_dir.parent / f"{run_dir.name}.out"
+        process = command(overrides, run_dir.parent, env, output)
+        process.join(timeout=HANG_S)
+        result = subprocess.CompletedProcess(overrides, process.exitcode, "", output.read_text())
     result.run_dir = run_dir
     return result
 
@@ -110,7 +113,7 @@ def test_restarted_and_requeued_jobs_end_as_an_uninterrupted_run(tiny_root, tmp_
     same = interrupted(tiny_root)
     # torchrun: SIGKILL; the agent restarts both workers, which go on from the checkpoint of step 10.
     torchrun = (sys.executable, "-m", "torch.distributed.run")  # the torchrun command, without its script
-    launcher = (*torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "mnist_dist")
+    launcher = [*torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "mnist_dist"]
     restarted = cli(tmp_path / "restarted", "mode=ddp", *same, "+model.kill=true", launcher=launcher)
     assert restarted.returncode == 0, restarted.stderr
     assert "resuming" in (tmp_path / "restarted" / "rank_0.log").read_text()
@@ -135,10 +138,8 @@ def test_a_stop_mid_epoch_saves_there_and_the_printed_command_ends_as_the_uninte
 ):
     # SIGTERM to the command alone, as a scheduler sends it, from rank 0 in step 3 of the first epoch's 20
     run = tmp_path / "run"
-    env = {**os.environ, "INTERRUPT_AT_STEP": "SIGTERM:3"}
-    part = cli(
-        run, "mode=ddp", "gpus=2", *interrupted(tiny_root), "+model.fail_rank=-1", env=env, start_new_session=True
-    )
+    env = {"INTERRUPT_AT_STEP": "SIGTERM:3"}
+    part = cli(run, "mode=ddp", "gpus=2", *interrupted(tiny_root), "+model.fail_rank=-1", env=env)
     assert part.returncode == 128 + signal.SIGTERM and "Traceback" not in part.stderr, part.stderr
     state = checkpoint.load(run / "checkpoint.pt")
     assert state["epoch"] == 0 and 3 <= state["epoch_step"] < 20, part.stderr  # at a step boundary, mid-epoch

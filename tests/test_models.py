@@ -3,14 +3,13 @@ bare class; synchronised BatchNorm on CPU."""
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from torch import nn
 
+from mnist_dist import __main__ as command
 from mnist_dist.model import FastNet
 from mnist_dist.modes import DDPMode, TorchDDPMode, _sync_batchnorm, wrap_model
 from mnist_dist.parallel import unwrap
@@ -34,36 +33,16 @@ class TinyNet(nn.Module):
 
 
 @pytest.mark.slow
-def test_a_model_from_the_users_own_package_trains_in_ddp(tiny_root, tmp_path):
+def test_a_model_from_the_users_own_package_trains_in_ddp(tiny_root, tmp_path, monkeypatch, cli_in_process):
     package = tmp_path / "userpkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "net.py").write_text(USER_MODEL)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mnist_dist",
-            "model._target_=userpkg.net.TinyNet",
-            "~model.dropout",
-            "+model.hidden=32",
-            "mode=ddp",
-            "gpus=2",
-            f"data.root={tiny_root}",
-            "data.mirrors=[]",
-            "progress=false",
-            "epochs=2",
-            "batch_size=32",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned ranks start with the command's path
+    user = ["model._target_=userpkg.net.TinyNet", "~model.dropout", "+model.hidden=32"]
+    job = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", "data.mirrors=[]", "progress=false", "epochs=2"]
+    monkeypatch.setattr(sys, "argv", ["mnist_dist", *user, *job, "batch_size=32", f"hydra.run.dir={tmp_path}/run"])
+    command.main()  # a run that completes returns (cli_in_process: its signal handlers put back)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (results["world_size"], results["epochs"]) == (2, 2) and results["test_accuracy"] >= 0.9
     spec = importlib.util.spec_from_file_location("userpkg_net", package / "net.py")

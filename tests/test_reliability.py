@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, run_ranks
+from helpers import HANG_S, alive, children, command, default_sigint, run_batch, wait_for
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
+from mnist_dist.operations import rundir
 from mnist_dist.topology import resolve
 
 TINY = ["data.mirrors=[]", "progress=false", "batch_size=32"]  # 640 images at batch 32: 20 steps an epoch
@@ -32,18 +33,6 @@ def start(tmp_path, *overrides, **popen):
         text=True,
         **popen,
     )
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def wait_for(condition, deadline_s: float = HANG_S, every_s: float = 0.1) -> bool:
-    """Polls ``condition`` until it holds or ``deadline_s`` passed; whether it holds."""
-    deadline = time.monotonic() + deadline_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(every_s)
-    return condition()
 
 
 def test_fewer_gpus_than_asked_is_one_line(make_config, monkeypatch):
@@ -92,7 +81,7 @@ def test_nan_loss_stops_with_the_step_named(tiny_root, tmp_path, cli_in_process)
 
 def _workers_gone(pids: Path) -> None:
     workers = [int(p.name) for p in pids.iterdir()]
-    assert wait_for(lambda: not [pid for pid in workers if _alive(pid)]), "a worker outlived the launcher"
+    assert wait_for(lambda: not [pid for pid in workers if alive(pid)]), "a worker outlived the launcher"
 
 
 # Moment 0: as soon as both workers exist, before the first checkpoint (20 steps of at least 0.05 s
@@ -115,7 +104,7 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
     ddp = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY]
     # A session of its own, as a terminal's foreground job; SIGINT not ignored, as from a terminal (a suite
     # started in the background, `pytest &`, has it ignored, and a process inherits that through exec).
-    process = start(tmp_path, *ddp, *slow, preexec_fn=_default_sigint, start_new_session=True)
+    process = start(tmp_path, *ddp, *slow, preexec_fn=default_sigint, start_new_session=True)
     if moment:
         time.sleep(random.Random(moment).uniform(0.3, 15.0))
     else:
@@ -164,18 +153,35 @@ def _is_loopback(address: str) -> bool:
     return host == "0" * 31 + "1" or host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
 
 
-def test_a_spawned_job_listens_on_loopback_only(tmp_path):
-    addresses = run_ranks(_listeners_of_job, 2, tmp_path)[0]
+def _run_dirs_on_two_nodes(rank, world_size, nodes):
+    """Rank r as node r's one rank, in that node's working directory: the run directories it trains in."""
+    os.chdir(Path(nodes, f"node{rank}"))
+    default = Path.cwd() / "outputs" / "day" / f"time_{rank}"  # each node's Hydra would name its own
+    return [rundir.on_this_node(default), rundir.on_this_node(Path(nodes, f"elsewhere_{rank}"))]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One spawned job of 2 ranks for the checks below."""
+    nodes = tmp_path_factory.mktemp("nodes")
+    for node in ("node0", "node1"):
+        (nodes / node).mkdir()
+    calls = {"listeners": (_listeners_of_job,), "run_dirs": (_run_dirs_on_two_nodes, str(nodes))}
+    return nodes, run_batch(calls, 2, nodes)
+
+
+def test_a_spawned_job_listens_on_loopback_only(job):
+    addresses = job[1]["listeners"][0]
     assert addresses, "found no listening socket at all: the check would prove nothing"
     assert [a for a in addresses if not _is_loopback(a)] == []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")  # a zombie has stopped; only its exit status waits to be read
+def test_two_nodes_without_a_shared_disk_each_create_rank_0s_run_directory(job):
+    # Under torchrun each node creates rank 0's directory: under its own working directory where rank 0's
+    # lies under rank 0's (Hydra's default outputs/...), else at the same path.
+    nodes, run_dirs = job[0], job[1]["run_dirs"]
+    assert run_dirs == [[nodes / f"node{n}/outputs/day/time_0", nodes / "elsewhere_0"] for n in range(2)]
+    assert all(path.is_dir() for pair in run_dirs for path in pair)
 
 
 @pytest.mark.slow
@@ -186,33 +192,20 @@ def test_a_live_runs_directory_is_refused_and_its_workers_die_with_a_killed_laun
     pids.mkdir()
     # 1,000 steps of 0.5 s: an orphan would train for more than HANG_S
     slow = [FAILING, "+model.fail_rank=-1", "+model.step_seconds=0.5", f"+model.pid_dir={pids}", "epochs=50"]
-    process = start(tmp_path, "mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, *slow)
+    run = [f"data.root={tiny_root}", *TINY, f"hydra.run.dir={tmp_path}/run"]
+    process = command(["mode=ddp", "gpus=2", *run, *slow], tmp_path, output=tmp_path / "run.out")
     try:
         assert wait_for(lambda: len(list(pids.iterdir())) == 2)
-        code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={tmp_path}/run")
+        code = cli_in_process(*run, "epochs=1")
         assert code.startswith(f"error: {tmp_path}/run is in use by another run that is still alive; wait for it")
-        assert process.poll() is None and not (tmp_path / "run" / "results.json").exists()
+        assert process.is_alive() and not (tmp_path / "run" / "results.json").exists()
         workers = [int(p.name) for p in pids.iterdir()]
-        servers = _children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
+        servers = children(process.pid, "forkserver")  # CPU workers fork from a server the launcher started
         assert len(servers) == 1
     finally:
         process.kill()
-        process.wait()
-    assert wait_for(lambda: not [pid for pid in workers + servers if _alive(pid)])
-
-
-def _children(parent: int, command_part: str) -> list[int]:
-    """The live child processes of ``parent`` whose command line contains ``command_part``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == parent and command_part in command:
-            found.append(int(stat.parent.name))
-    return found
+        process.join()
+    assert wait_for(lambda: not [pid for pid in workers + servers if alive(pid)])
 
 
 def test_an_unexpected_error_is_one_line_with_the_log(tiny_root, tmp_path, cli_in_process, capfd):
@@ -239,8 +232,8 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk, cli_in_process, capfd):
-    run = small_disk / "run"
-    code = cli_in_process("mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    run, job = small_disk / "run", [f"data.root={tiny_root}", *TINY, "epochs=1", "checkpoint_every_steps=1"]
+    code = cli_in_process("mode=ddp", "gpus=2", *job, f"hydra.run.dir={run}")  # the first checkpoint: after step 1
     err = capfd.readouterr().err
     assert "Traceback" not in err and "enforce fail" not in err, err
     assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
@@ -248,7 +241,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk
     # error line names, the disk space freed; a single process leaves nothing.
     assert sorted(p.name for p in run.iterdir()) == ["rank_0.log", "rank_1.log"]
     shutil.rmtree(run)
-    code = cli_in_process(f"data.root={tiny_root}", *TINY, "epochs=1", f"hydra.run.dir={run}")
+    code = cli_in_process(*job, f"hydra.run.dir={run}")
     assert "No space left on device" in code and f"{run}/checkpoint.pt" in code and "\n" not in code
     assert not run.exists()
 
@@ -259,44 +252,12 @@ def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _node(node: int, cwd: Path, port: int, *overrides: str) -> subprocess.Popen:
-    """One torchrun agent of a two-node job on 127.0.0.1, one worker per node."""
-    cwd.mkdir(exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
-        + ["--master_addr=127.0.0.1", f"--master_port={port}", "-m", "mnist_dist", "mode=ddp", "device=cpu"]
-        + list(overrides),
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-@pytest.mark.slow
-def test_two_nodes_without_a_shared_disk_each_create_their_run_directory(tiny_root, tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    settings = [f"data.root={tiny_root}", *TINY, "epochs=1", "model._target_=failing_model.NarrowConvNet"]
-    nodes = [_node(n, tmp_path / f"node{n}", port, *settings) for n in range(2)]
-    for node in nodes:
-        _, err = node.communicate(timeout=HANG_S)
-        assert node.returncode == 0, err
-    (run0,) = (tmp_path / "node0" / "outputs").glob("*/*")
-    (run1,) = (tmp_path / "node1" / "outputs").glob("*/*")
-    assert run1.relative_to(tmp_path / "node1") == run0.relative_to(tmp_path / "node0")
-    assert {"results.json", "checkpoint.pt", "rank_0.log"} <= {p.name for p in run0.iterdir()}
-    assert "rank_1.log" not in {p.name for p in run0.iterdir()}
-    assert "rank_1.log" in {p.name for p in run1.iterdir()}
-
-
 @pytest.mark.slow
 def test_a_torchrun_worker_dies_with_its_agent(tiny_root, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "mnist_dist", "mode=ddp"]
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "mnist_dist", "mode=ddp"]
         + [f"data.root={tiny_root}", *TINY, "epochs=50", "device=cpu", f"hydra.run.dir={tmp_path}/run"]
         # 1,000 steps of 0.5 s: an orphan would train for longer than HANG_S
         + ["model._target_=failing_model.FailingConvNet", "+model.fail_rank=-1", "+model.step_seconds=0.5"]
@@ -305,8 +266,8 @@ def test_a_torchrun_worker_dies_with_its_agent(tiny_root, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    try:
-        assert wait_for(lambda: len(list(pids.iterdir())) == 2)
+    try:  # one worker: each has its own parent-death signal
+        assert wait_for(lambda: len(list(pids.iterdir())) == 1)
         agent.kill()
         agent.wait()
         _workers_gone(pids)

@@ -2,6 +2,7 @@
 timeout, and the line names the rank and the likely cause."""
 
 import ast
+import importlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import alive, wait_for
 
 from mnist_dist.parallel import WorkerFailed, spawn
 
@@ -77,25 +79,15 @@ def test_forkserver_workers_see_the_callers_environment(tmp_path, monkeypatch):
 # --- a stuck rank, a rank that fails first ------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def assert_all_gone(pid_dir: Path, count: int) -> None:
     pids = [int(p.name) for p in pid_dir.iterdir()]
     assert len(pids) == count
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert wait_for(lambda: not [pid for pid in pids if alive(pid)], deadline_s=60)
 
 
 def _stops_responding(rank: int, world_size: int, pid_dir: str) -> None:
     Path(pid_dir, str(os.getpid())).touch()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=5))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=2))  # dist.timeout_s
     for step in range(1, 1000):
         if rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -103,7 +95,9 @@ def _stops_responding(rank: int, world_size: int, pid_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_stuck_rank_ends_the_job_by_the_process_groups_timeout_naming_the_likely_cause(tmp_path):
+def test_a_stuck_rank_ends_the_job_by_the_process_groups_timeout_naming_the_likely_cause(tmp_path, monkeypatch):
+    # the stopped rank waits out each grace for the other ranks to end: only SIGKILL ends it
+    monkeypatch.setattr(importlib.import_module("mnist_dist.parallel.spawn"), "_GRACE_S", 0.5)
     with pytest.raises(WorkerFailed, match=r"^rank 0 failed: .*[Tt]imed out.*dist.timeout_s.*join\(\)") as error:
         spawn(_stops_responding, 2, str(tmp_path), start_method="forkserver")
     assert "\n" not in str(error.value)
@@ -117,7 +111,8 @@ def _aborted_by_a_watchdog(rank: int, world_size: int, pid_dir: str) -> None:
     time.sleep(120)  # rank 1: stuck, still running
 
 
-def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path):
+def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("mnist_dist.parallel.spawn"), "_GRACE_S", 0.5)  # rank 1 sleeps on
     with pytest.raises(WorkerFailed, match=r"^rank 0 failed: killed by SIGABRT .*dist.timeout_s.*join\(\)"):
         spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
     assert_all_gone(tmp_path, 2)

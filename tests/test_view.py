@@ -2,59 +2,35 @@
 comparison charts in CUSTOM SCALARS, every rank's numbers inside its run, every tag listed in docs/running.md."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import events
 
+from mnist_dist import __main__ as command
 from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
 
 
-def tags(path: Path) -> tuple[set[str], set[str]]:
-    """(scalar tags, tensor tags) of the TensorBoard run in ``path``."""
-    events = EventAccumulator(str(path))
-    events.Reload()
-    return set(events.Tags()["scalars"]), set(events.Tags()["tensors"])
-
-
 @pytest.mark.slow
-def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path):
+def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path, monkeypatch, cli_in_process):
     sweep = tmp_path / "sweep"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mnist_dist",
-            "-m",
-            "mode=single,ddp",
-            "gpus=2",
-            "epochs=1",
-            "log_every=5",
-            f"data.root={tiny_root}",
-            "data.mirrors=[]",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    # Each run said its own directory.
-    for run in ("1_ddp_epochs=1,gpus=2,log_every=5", "0_single_epochs=1,gpus=2,log_every=5"):
-        assert f" INFO run directory: {sweep / run}\n" in result.stderr
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
-        "0_single_epochs=1,gpus=2,log_every=5",
-        "1_ddp_epochs=1,gpus=2,log_every=5",
-    ]
-    ddp, single = sweep / "1_ddp_epochs=1,gpus=2,log_every=5", sweep / "0_single_epochs=1,gpus=2,log_every=5"
+    overrides = ["mode=single,ddp", "gpus=2", "epochs=1", "log_every=5", "model._target_=failing_model.NarrowConvNet"]
+    places = [f"data.root={tiny_root}", "data.mirrors=[]", f"hydra.sweep.dir={sweep}"]
+    monkeypatch.setattr(sys, "argv", ["mnist_dist", "-m", *overrides, *places])
+    command.main()  # a sweep that completes returns (cli_in_process: its signal handlers put back)
+    named = "epochs=1,gpus=2,log_every=5,model._target_=failing_model.NarrowConvNet"  # Hydra's override_dirname
+    names = [f"0_single_{named}", f"1_ddp_{named}"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == names
+    single, ddp = (sweep / name for name in names)
+    for run in (single, ddp):  # each run says its own directory (rank 0's log: what its console showed)
+        assert f" INFO run directory: {run}\n" in (run / "rank_0.log").read_text()
     # TensorBoard's run list: one run per mode, i.e. event files in <run>/tb and nowhere else.
     assert {path.parent for path in sweep.rglob("events.out.tfevents.*")} == {tb_dir(ddp), tb_dir(single)}
-    written, tensors = tags(tb_dir(ddp))
+    written, tensors = (set(events(ddp).Tags()[kind]) for kind in ("scalars", "tensors"))
     assert written >= GLOBAL_TAGS | {"rank_0/train/loss", "rank_1/train/loss"}
     assert "custom_scalars__config__" in tensors
     for charts in LAYOUT.values():  # every chart of the layout has something to show

@@ -5,21 +5,22 @@ under torchrun, at the exact global sample where it stopped."""
 import json
 import logging
 import shutil
-import subprocess
-import sys
+import socket
 
 import pytest
 import torch
-from helpers import HANG_S, compose_config, scalars
+from failing_model import NarrowConvNet
+from helpers import HANG_S, command, compose_config, scalars
 
 from mnist_dist.launch import _resume, launch
-from mnist_dist.model import ConvNet
 from mnist_dist.operations import checkpoint, compatibility
 from mnist_dist.tools import write_idx
 
 # 48 images per step divide among 1, 2 and 3 ranks; SGD and no dropout: nothing depends on the ranks. Momentum:
-# optimizer state to shard (fsdp) and to resume; rounding stays at its own size (see REFERENCE.md).
+# optimizer state to shard (fsdp) and to resume; rounding stays at its own size (see REFERENCE.md). The narrow
+# convnet: what is proven does not depend on the model's width, and most of a run would be its arithmetic.
 JOB = ("epochs=2", "batch_size=48", "optim=sgd", "optim.lr=0.05", "optim.momentum=0.9", "model.dropout=false")
+JOB += ("model._target_=failing_model.NarrowConvNet",)
 # 288 images: 6 steps an epoch, saved at 4, 6, 8 and 12; checkpoint.1.pt is step 8, mid-epoch 2
 JOB += ("log_every=1", "checkpoint_every_steps=4")
 RUNS = {
@@ -50,6 +51,12 @@ def assert_close_weights(found: dict, expected: dict) -> None:
         torch.testing.assert_close(found[key], value, rtol=0, atol=1e-5, msg=key)
 
 
+def shard_mib(ranks: int) -> float:
+    """The MiB of one rank's shard of the weights: each tensor's rows split among the ranks, padded to equal parts."""
+    state = NarrowConvNet().state_dict().values()
+    return sum(-(-len(value) // ranks) * value[0].numel() for value in state) * 4 / 2**20
+
+
 def losses(run_dir) -> torch.Tensor:
     return torch.tensor(scalars(run_dir)["train/loss_global"])  # the mean over ranks
 
@@ -68,7 +75,7 @@ def test_the_same_job_gives_one_processs_curve_and_weights_on_several_ranks(runs
     single, weights = losses(runs / "single"), torch.load(runs / "single" / "model.pt")
     assert len(single) == 12
     torch.manual_seed(1)  # the config's seed: the weights every mode starts from
-    start = ConvNet(dropout=False).state_dict()
+    start = NarrowConvNet(dropout=False).state_dict()
     assert (weights["classifier.3.weight"] - start["classifier.3.weight"]).abs().max() > 1e-3  # it trained
     for mode in ("ddp", "fsdp", "torch_ddp"):
         torch.testing.assert_close(losses(runs / mode), single, rtol=0, atol=1e-5, msg=mode)
@@ -91,10 +98,10 @@ def test_rank_0_writes_every_ranks_scalars_into_one_tensorboard_run(runs):
 @pytest.mark.slow
 def test_fsdp_holds_a_shard_of_the_state_per_rank(runs):
     mib = {name: json.loads((runs / name / "results.json").read_text())["model_state_mib"] for name in RUNS}
-    weights = sum(v.numel() for v in ConvNet().state_dict().values()) * 4 / 2**20
+    weights = shard_mib(1)
     assert mib["single"] == [pytest.approx(3 * weights)]  # weights, gradients, momentum
     assert mib["ddp"] == [pytest.approx(3 * weights)] * 2  # each rank all of it
-    assert all(3 * weights / 2 <= per_rank < 3 * weights / 2 * 1.01 for per_rank in mib["fsdp"])  # padded per tensor
+    assert all(3 * weights / 2 <= per_rank <= 3 * shard_mib(2) for per_rank in mib["fsdp"])
 
 
 @pytest.mark.slow
@@ -115,10 +122,9 @@ def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(root, runs, tmp_p
     else:
         torch.testing.assert_close(part, whole, rtol=0, atol=1e-5)
         assert_close_weights(resumed, torch.load(runs / mode / "model.pt"))
-    if mode == "fsdp":  # a shard of weights, gradients and momentum each, padded per tensor
-        weights = sum(v.numel() for v in ConvNet().state_dict().values()) * 4 / 2**20
+    if mode == "fsdp":  # a shard of weights, gradients and momentum each
         mib = json.loads((tmp_path / "run" / "results.json").read_text())["model_state_mib"]
-        assert all(3 * weights / ranks <= per_rank < 3 * weights / ranks * 1.01 for per_rank in mib)
+        assert all(3 * shard_mib(1) / ranks <= per_rank <= 3 * shard_mib(ranks) for per_rank in mib)
 
 
 @pytest.mark.slow
@@ -147,13 +153,19 @@ def test_a_torchrun_worker_goes_on_at_the_world_size_torchrun_gives_it(root, run
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copyfile(runs / "ddp" / "checkpoint.1.pt", run_dir / "checkpoint.pt")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    command = [*torchrun, "-m", "mnist_dist", "mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]"]
-    command += ["progress=false", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
-    assert result.returncode == 0, result.stderr
+    # The variables torchrun gives its one worker (its own agent adds nothing to what the app does)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1"}
+    env = {key: str(value) for key, value in {**torchrun, "MASTER_PORT": port}.items()}
+    argv = ["mode=ddp", "resume=auto", f"data.root={root}", "data.mirrors=[]", "progress=false"]
+    worker = command([*argv, f"hydra.run.dir={run_dir}"], tmp_path, env, output=tmp_path / "worker.out")
+    worker.join(timeout=HANG_S)
+    output = (tmp_path / "worker.out").read_text()
+    assert worker.exitcode == 0, output
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["world_size"], results["steps"]) == (1, 12)
-    assert "resuming with mode=ddp on 1 ranks a checkpoint written with mode=ddp on 2" in result.stderr
+    assert "resuming with mode=ddp on 1 ranks a checkpoint written with mode=ddp on 2" in output
     assert "\ngpus: 1\n" in (run_dir / "config.yaml").read_text()  # what ran, not the checkpoint's gpus=2
     assert_close_weights(torch.load(run_dir / "model.pt"), torch.load(runs / "ddp" / "model.pt"))
