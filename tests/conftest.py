@@ -20,9 +20,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.
 
 # pytest-xdist runs one worker per core, and each worker's trainings (in-process or a fresh single process)
 # would take torch's default of a thread per core: N workers' threads on N cores, where each parallel region
-# waits for its slowest, descheduled thread (a tiny single run took 5x as long at load 4). A worker and the
-# processes it starts share its cores instead; spawned ranks set their own (topology.setup_process), and
-# `-n 0` keeps torch's default.
+# waits for its slowest, descheduled thread. A worker and the processes it starts share its cores instead;
+# spawned ranks set their own (topology.setup_process), and `-n 0` keeps torch's default.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
