@@ -1,8 +1,4 @@
-"""What several test modules share: configs on tiny data, TensorBoard scalars, ranks in fresh processes,
-the machine fields, srun's tasks played locally.
-
-Tests import these from here (``from helpers import ...``), never from each other or from conftest.
-"""
+"""What several test modules share; tests import these from here, never from each other or from conftest."""
 
 from __future__ import annotations
 
@@ -142,18 +138,6 @@ def default_sigint() -> None:
     """A child's Ctrl-C as from a terminal (a suite started in the background, ``pytest &``, has it ignored, and
     a process inherits that through exec): for ``preexec_fn``."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "torch", "gpus")
-
-
-def assert_machine_fields(info: dict) -> None:
-    """``info`` is mnist_dist.operations.machine.describe(): every field present and non-empty."""
-    for field in MACHINE_FIELDS:
-        assert info[field] not in ("", None), field
-    assert isinstance(info["cpu_flags"], list)
-    if "gpu" in info:
-        assert info["gpu"] and info["cuda"]
 
 
 def _command(argv: list[str], env: dict[str, str], cwd: str, output: str | None) -> None:

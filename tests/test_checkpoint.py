@@ -99,15 +99,10 @@ def test_a_save_that_fails_half_way_leaves_the_last_good_checkpoints(tmp_path, m
 
 
 def test_a_nan_loss_between_log_windows_is_never_checkpointed(tiny_root, tmp_path):
-    # log_every=5 checks the loss at step 5 only; checkpoints at every step used to save steps 3 and 4
-    # (NaN weights) and rotate the good ones away, and the error then pointed at them.
+    # log_every=5 checks the loss at step 5 only: steps 3 and 4 (NaN weights) must not rotate the good ones away
     cfg = compose_config(tiny_root, *SHORT, "log_every=5", "checkpoint_every_steps=1", *FAILING, "+model.nan=true")
-    with pytest.raises(TrainingDiverged) as error:
+    with pytest.raises(TrainingDiverged, match=rf"loss is nan at step 3 .* from {tmp_path}/checkpoint.pt \(step 2,"):
         launch(cfg, tmp_path)
-    assert str(error.value) == (
-        "the training loss is nan at step 3 (rank 0); lower optim.lr, check the data, or resume from "
-        f"{tmp_path}/checkpoint.pt (step 2, checked)"
-    )
     assert saved_step(tmp_path / "checkpoint.pt") == 2 and saved_step(tmp_path / "checkpoint.1.pt") == 1
 
 
@@ -115,44 +110,27 @@ def test_weights_poisoned_by_a_step_with_a_finite_loss_are_never_checkpointed(ti
     # nan_grad: step 4's loss is finite, its update makes every weight NaN; step 4 is a checkpoint step.
     settings = ("log_every=10", "checkpoint_every_steps=2", *FAILING, "+model.fail_step=4", "+model.nan_grad=true")
     cfg = compose_config(tiny_root, *SHORT, *settings)
-    with pytest.raises(TrainingDiverged) as error:
+    with pytest.raises(TrainingDiverged, match=rf"not finite after step 4 .* from {tmp_path}/checkpoint.pt \(step 2,"):
         launch(cfg, tmp_path)
-    assert str(error.value) == (
-        "the weights are not finite after step 4 (rank 0, features.0.weight); lower optim.lr, check the data, or "
-        f"resume from {tmp_path}/checkpoint.pt (step 2, checked)"
-    )
     assert saved_step(tmp_path / "checkpoint.pt") == 2 and not (tmp_path / "checkpoint.1.pt").exists()
 
 
 def test_divergence_at_the_last_step_fails_the_run_and_writes_no_results(tiny_root, tmp_path):
     cfg = compose_config(tiny_root, *SHORT, *FAILING, "+model.fail_step=20", "+model.nan_grad=true")
-    with pytest.raises(TrainingDiverged) as error:
+    with pytest.raises(TrainingDiverged, match=r"test loss is nan after step 20 .*\(no checkpoint was written"):
         launch(cfg, tmp_path)
-    assert str(error.value) == (
-        "the test loss is nan after step 20 (rank 0); lower optim.lr or check the data (no checkpoint was "
-        "written before it)"
-    )
     assert {p.name for p in tmp_path.iterdir()} & {"results.json", "model.pt", "checkpoint.pt"} == set()
-
-
-def _no_constants(name: str):
-    raise AssertionError(f"{name} in strict JSON")
 
 
 def test_results_json_is_strict_json(tmp_path):
     inf = float("inf")
     results.save_json({"loss": float("nan"), "times": [inf, 1.5], "peak": {"x": -inf}, "n": 3}, tmp_path / "r.json")
-    parsed = json.loads((tmp_path / "r.json").read_text(), parse_constant=_no_constants)
-    assert parsed == {"loss": None, "times": [None, 1.5], "peak": {"x": None}, "n": 3}
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text  # what json.dumps writes for them by default
+    assert json.loads(text) == {"loss": None, "times": [None, 1.5], "peak": {"x": None}, "n": 3}
 
 
 # --- 5. resume=auto past an unreadable newest checkpoint ---------------------------------------
-
-
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
-    return copy
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +143,7 @@ def kept(tiny_root, tmp_path_factory) -> Path:
 
 
 def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(tiny_root, kept, tmp_path, caplog):
-    run_dir = _copy(kept, tmp_path)
+    run_dir = shutil.copytree(kept, tmp_path / "run")
     newest = run_dir / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # what a disk that filled up under another program leaves
     # no batch_size=32: a resume takes the run's own settings, not the defaults
@@ -180,7 +158,7 @@ def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(t
 
 
 def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_root, kept, tmp_path):
-    run_dir = _copy(kept, tmp_path)
+    run_dir = shutil.copytree(kept, tmp_path / "run")
     newest = run_dir / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     (run_dir / "checkpoint.1.pt").write_bytes(b"not a checkpoint")
@@ -200,7 +178,7 @@ def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_
 
 def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, kept, tmp_path, monkeypatch):
     monkeypatch.setenv("MNIST_DIST_SECRET", "s3cret-value")
-    run_dir = _copy(kept, tmp_path)
+    run_dir = shutil.copytree(kept, tmp_path / "run")
     state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     config = yaml.safe_load(state["config"])
     config["data"]["name"] = "${oc.env:MNIST_DIST_SECRET}"  # resolved, it would be said in the refusal's line
@@ -213,20 +191,13 @@ def test_interpolations_in_a_checkpoints_config_are_never_resolved(tiny_root, ke
 # --- 7. a resume that changes the mode or the number of ranks says so -------------------------------
 
 
-@pytest.mark.parametrize(
-    "overrides, said",
-    [
-        (("mode=ddp", "gpus=2"), "with mode=ddp on 2 ranks a checkpoint written with mode=single on 1"),
-        (("mode=torch_ddp", "gpus=1"), "with mode=torch_ddp on 1 ranks a checkpoint written with mode=single on 1"),
-    ],
-)
-def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_root, kept, overrides, said, caplog):
-    overrides = ("epochs=2", f"resume={kept}", *overrides)
+def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_root, kept, caplog):
+    overrides = ("epochs=2", f"resume={kept}", "mode=ddp", "gpus=2")
     cfg, _, saved = _resume(compose_config(tiny_root, *SHORT, *overrides), kept, overrides)
     caplog.set_level(logging.INFO, logger="mnist_dist")
     compatibility.check_resumable(saved, cfg)
     assert [line for line in caplog.messages if line.startswith("resuming")] == [
-        f"resuming {said}: the same global batches follow"
+        "resuming with mode=ddp on 2 ranks a checkpoint written with mode=single on 1: the same global batches follow"
     ]
 
 
@@ -244,7 +215,7 @@ def test_a_refused_resume_names_exactly_the_settings_that_differ(tiny_root, kept
 def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line_and_keeps_the_run(
     tiny_root, kept, tmp_path, cli_in_process
 ):
-    run_dir = _copy(kept, tmp_path)
+    run_dir = shutil.copytree(kept, tmp_path / "run")
     saved = ("checkpoint.pt", "checkpoint.1.pt", "model.pt", "results.json", "config.yaml")
     before = {name: (run_dir / name).read_bytes() for name in saved}
     overrides = ("epochs=2", f"resume={run_dir}", "model=fastnet", "resume_allow_changes=true")
@@ -266,8 +237,7 @@ def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
 ):
     from mnist_dist import __main__ as command
 
-    run = tmp_path / "run"
-    shutil.copytree(kept, run)
+    run = shutil.copytree(kept, tmp_path / "run")
 
     def interrupted(*args):
         raise KeyboardInterrupt  # as Ctrl-C lands in the middle of the resumed run
@@ -288,8 +258,7 @@ def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(
 
 
 def test_a_fresh_launch_into_a_finished_run_replaces_nothing(tiny_root, kept, tmp_path, cli_in_process):
-    run = tmp_path / "run"
-    shutil.copytree(kept, run)
+    run = shutil.copytree(kept, tmp_path / "run")
     before = contents(run)
     code = cli_in_process(f"data.root={tiny_root}", *SHORT, "data.mirrors=[]", f"hydra.run.dir={run}")
     assert code.startswith(f"error: {run} holds a finished run (results.json, model.pt, checkpoint.pt)")

@@ -12,30 +12,26 @@ from hydra.utils import instantiate
 from torch import nn
 
 from mnist_dist.config import ConfigError, describe_hydra_error, validate
-from mnist_dist.topology import from_env, resolve
+from mnist_dist.topology import from_env
 
 
 def test_defaults_follow_the_classic_recipe(make_config):
     cfg = make_config()
     assert cfg.mode.name == "single"
     assert cfg.optim == {"_target_": "torch.optim.Adadelta", "_partial_": True, "lr": 1.0}
-    assert cfg.scheduler == {
-        "_target_": "torch.optim.lr_scheduler.StepLR",
-        "_partial_": True,
-        "step_size": 1,
-        "gamma": 0.7,
-    }
+    assert cfg.scheduler == dict(_target_="torch.optim.lr_scheduler.StepLR", _partial_=True, step_size=1, gamma=0.7)
     assert (cfg.batch_size, cfg.test_batch_size, cfg.epochs, cfg.gpus) == (64, 1000, 14, 1)
     assert cfg.model == {"_target_": "mnist_dist.model.ConvNet", "dropout": True}
     assert cfg.dist.timeout_s == 60  # a hang (a stuck rank, uneven loops without join()) ends within a minute
+    assert cfg.tf32 is False  # exact comparisons on a GPU need TF32 off
 
 
 @pytest.mark.parametrize(
     "overrides, expected",
     [
         (["optim=sgd", "optim.momentum=0.9"], {"lr": 0.1, "momentum": 0.9}),
+        # +optim.x: any constructor argument of the class
         (["optim=adamw", "+optim.betas=[0.8,0.9]"], {"lr": 0.001, "betas": [0.8, 0.9], "weight_decay": 0.01}),
-        (["+optim.rho=0.5"], {"lr": 1.0, "rho": 0.5}),  # any constructor argument of the class
     ],
 )
 def test_optimizer_and_scheduler_are_built_from_their_config(make_config, overrides, expected):
@@ -115,16 +111,9 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (
-            ["mode=ddp", "gpus=2", "batch_size=63"],
-            "batch_size=63 (global) is not divisible by 2 ranks; use a multiple of 2, e.g. batch_size=62",
-        ),
-        (
-            ["mode=ddp", "gpus=2", "batch_size=64", "accumulate=3"],
-            "batch_size=64 (global) is not divisible by 2 ranks x accumulate=3; use a multiple of 6, e.g. batch_size=6",
-        ),
+        (["mode=ddp", "gpus=2", "batch_size=63"], "batch_size=63 (global) is not divisible by 2 ranks; use a multiple"),
+        (["mode=ddp", "gpus=2", "batch_size=64", "accumulate=3"], "by 2 ranks x accumulate=3; use a multiple of 6"),
         (["accumulate=0"], "accumulate=0 must be at least 1"),
-        (["epochs=-1"], "epochs=-1 must be at least 1"),
         (["checkpoint_every_steps=-1"], "checkpoint_every_steps=-1 must be at least 0"),
         (["seed=-1"], "seed=-1 must be from 0 to 4294967295"),
         (["seed=4294967296"], "seed=4294967296 must be from 0 to 4294967295"),
@@ -139,9 +128,8 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
     ],
 )
 def test_invalid_numbers_are_named(make_config, overrides, expected):
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
         validate_here(make_config(*overrides))
-    assert str(error.value).startswith(expected)
 
 
 def test_cli_invalid_number_is_one_line_and_leaves_no_run_dir(tmp_path, cli_in_process):
@@ -172,10 +160,3 @@ def test_gpus_under_torchrun_is_what_runs_or_refused_before_the_batch_is_split_b
     overrides = ["mode=ddp", "gpus=3", "batch_size=64", "device=cpu", f"data.root={tiny_root}"]
     code = cli_in_process(*overrides, f"hydra.run.dir={tmp_path}/run")  # refused before the rendezvous
     assert code.startswith("error: gpus=3, but torchrun started 2 processes, which is what runs;")
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_cuda_is_one_line(make_config):
-    with pytest.raises(ConfigError) as error:
-        resolve(make_config("device=cuda"))
-    assert str(error.value) == "device=cuda but no CUDA device is visible; use device=cpu or device=auto"

@@ -20,8 +20,7 @@ GLOBAL_BATCH = 16
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Every check's rank functions in one 2-rank job (starting ranks costs seconds; they run in ms):
-    ``ranks(key)`` is that call's results by rank."""
+    """Every check's rank functions in one 2-rank job (starting ranks costs seconds): ``ranks(key)``, by rank."""
     results = run_batch(
         {
             "grads": (ddp_step,),
@@ -53,10 +52,6 @@ def model():
     return ConvNet(dropout=False)
 
 
-def shard(tensor, rank, world_size):
-    return tensor.chunk(world_size)[rank]
-
-
 def single_step_grads():
     net = model()
     x, y = batch()
@@ -73,7 +68,7 @@ def ddp_step(rank, world_size):
     x, y = batch()
     for _ in range(2):  # step 1 records the order, step 2 runs on the fixed bucket plan
         net.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        F.cross_entropy(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
     return {n: p.grad.clone() for n, p in net.named_parameters()}, len(ddp._buckets)
 
 

@@ -230,17 +230,13 @@ def test_mnist_ddp_refuses_a_checkpoint_of_other_settings_and_stops_at_a_finishe
         assert checkpoint.read_bytes() == saved and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
-@pytest.mark.parametrize("launched_by", ["torchrun", "itself"])
-def test_mnist_ddp_with_more_ranks_than_gpus_says_so_in_one_line(launched_by, tiny_root, monkeypatch, capsys):
+def test_mnist_ddp_with_more_ranks_than_gpus_says_so_in_one_line(tiny_root, monkeypatch, capsys):
     example = load_example()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU, faked
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     argv = ["mnist_ddp.py", "--data", str(tiny_root / "MNIST" / "raw"), "--device", "cuda"]
-    if launched_by == "torchrun":  # torchrun --nproc_per_node=2 sets these in both ranks
-        for name, value in {"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}.items():
-            monkeypatch.setenv(name, str(value))
-    else:
-        argv += ["--nproc", "2"]
+    for name, value in {"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))  # as torchrun --nproc_per_node=2 sets them in both ranks
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_:
         example.parse_args()

@@ -1,6 +1,5 @@
-"""The CUDA-only paths, checked on a CPU: device discovery faked, stream clocks, process setup's flags and
-arguments. Replicas in the caller's autocast dtype and NCCL bound
-to its device: the GPU check's probes, each tested with its bug put back (test_gpu_probes.py)."""
+"""The CUDA-only paths, checked on a CPU: device discovery faked, stream clocks, process setup's flags. What
+needs a real GPU: the GPU check's probes (test_gpu_probes.py)."""
 
 import importlib
 import os
@@ -105,10 +104,6 @@ def test_setup_sets_the_tf32_policy_for_convolutions_and_matmuls(tf32):
     assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
 
 
-def test_tf32_is_off_by_default(make_config):
-    assert make_config().tf32 is False
-
-
 def test_an_srun_task_finds_its_gpu_and_device_cuda_without_one_is_an_error(make_config, monkeypatch):
     # This process as task 1 of ``srun --ntasks=4 --ntasks-per-node=4``.
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
@@ -127,7 +122,7 @@ def test_an_srun_task_finds_its_gpu_and_device_cuda_without_one_is_an_error(make
     assert from_env(make_config(*ddp)).device == torch.device("cuda:1")
     # from_env's one device check, whichever launcher (torchrun, srun) set the variables
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible"):
+    with pytest.raises(ConfigError, match="device=cuda but no CUDA device is visible; use device=cpu or device=auto"):
         from_env(make_config(*ddp))
     assert from_env(make_config("mode=ddp", "gpus=4", "device=auto")).device == torch.device("cpu")
 
@@ -139,9 +134,8 @@ def test_cublas_gets_its_fixed_workspace_before_anything_can_use_cuda():
 
 
 def test_model_state_counts_both_ddps_alike_with_gradients_as_bucket_views(one_rank):
-    # Each storage once: a .grad that is a view of its bucket is not counted twice. The buckets themselves
-    # are not counted (torch's are not public), so both DDPs report the same figure. Without views, each
-    # mode's figure in a run: test_world_size.py.
+    # Each storage once: a .grad that is a view of its bucket is not counted twice, nor the buckets (torch's
+    # are not public), so both DDPs report the same figure. Without views, in a run: test_world_size.py.
     figures = {}
     for mode in (DDPMode, TorchDDPMode):
         torch.manual_seed(0)

@@ -1,7 +1,6 @@
-"""Ctrl-C that comes late: a second one while the first is being answered, or one as a finished run exits (in a
-terminal, which shows rank 0's bar); and Ctrl-C under torchrun.
-Each is one line and the status of an interrupt, never a death by the signal with nothing said (the
-interpreter puts Ctrl-C back to its default while it tears itself down, which takes seconds with torch)."""
+"""Late Ctrl-C: a second one while the first is answered, one as a finished run exits (in a terminal, with rank 0's
+bar), one under torchrun. Each is one line and an interrupt's status, never a death by the signal with nothing said
+(the interpreter puts Ctrl-C back to its default while it tears itself down, which takes seconds with torch)."""
 
 import contextlib
 import os

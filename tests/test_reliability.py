@@ -102,8 +102,7 @@ def test_ctrl_c_at_any_moment_of_a_ddp_run_is_one_true_line(tiny_root, tmp_path,
     # slow steps, so that the signal lands mid-run
     slow = [FAILING, "+model.fail_rank=-1", "+model.step_seconds=0.05", f"+model.pid_dir={pids}", "epochs=50"]
     ddp = ["mode=ddp", "gpus=2", f"data.root={tiny_root}", *TINY]
-    # A session of its own, as a terminal's foreground job; SIGINT not ignored, as from a terminal (a suite
-    # started in the background, `pytest &`, has it ignored, and a process inherits that through exec).
+    # A session of its own, as a terminal's foreground job, with SIGINT not ignored (helpers.default_sigint)
     process = start(tmp_path, *ddp, *slow, preexec_fn=default_sigint, start_new_session=True)
     if moment:
         time.sleep(random.Random(moment).uniform(0.3, 15.0))

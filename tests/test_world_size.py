@@ -3,7 +3,6 @@ number of ranks in every mode, and a checkpoint written on 2 ranks resumes on 2 
 under torchrun, at the exact global sample where it stopped."""
 
 import json
-import logging
 import shutil
 import socket
 
@@ -12,8 +11,8 @@ import torch
 from failing_model import NarrowConvNet
 from helpers import HANG_S, command, compose_config, scalars
 
-from mnist_dist.launch import _resume, launch
-from mnist_dist.operations import checkpoint, compatibility
+from mnist_dist.launch import launch
+from mnist_dist.operations import checkpoint
 from mnist_dist.tools import write_idx
 
 # 48 images per step divide among 1, 2 and 3 ranks; SGD and no dropout: nothing depends on the ranks. Momentum:
@@ -125,25 +124,6 @@ def test_a_mid_epoch_checkpoint_resumes_on_any_number_of_ranks(root, runs, tmp_p
     if mode == "fsdp":  # a shard of weights, gradients and momentum each
         mib = json.loads((tmp_path / "run" / "results.json").read_text())["model_state_mib"]
         assert all(3 * shard_mib(1) / ranks <= per_rank <= 3 * shard_mib(ranks) for per_rank in mib)
-
-
-@pytest.mark.slow
-def test_a_world_size_change_is_said_in_one_line_and_other_changes_still_refused(root, runs, caplog):
-    mnist_dist_log = logging.getLogger("mnist_dist")
-    mnist_dist_log.propagate, before = True, mnist_dist_log.propagate
-    try:
-        with caplog.at_level(logging.INFO, logger="mnist_dist"):
-            compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "gpus=3"))
-    finally:
-        mnist_dist_log.propagate = before
-    assert "resuming with mode=ddp on 3 ranks a checkpoint written with mode=ddp on 2" in caplog.text
-    with pytest.raises(checkpoint.ConfigError, match=r"batch_size 48 -> 24"):
-        compatibility.check_resumable(*_resumed(root, runs, "epochs=3", "batch_size=24"))
-
-
-def _resumed(root, runs, *overrides) -> tuple:
-    cfg, _, saved = _resume(compose_config(root, *JOB, f"resume={runs / 'ddp'}", *overrides), runs, overrides)
-    return saved, cfg
 
 
 @pytest.mark.slow
