@@ -9,6 +9,7 @@ import logging
 import socket
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,15 @@ def test_no_mirrors_offline_writes_nothing_and_names_the_fashion_mnist_route(tmp
 
 
 # --- loading ----------------------------------------------------------------------------------
+
+
+def test_concurrent_prepares_fetch_once(tmp_path, serve, caplog):
+    caplog.set_level(logging.INFO, logger="mnist_dist.data")
+    mirror = serve(write_set(tmp_path / "mirror", idx_set()))
+    with ThreadPoolExecutor(2) as pool:
+        raws = list(pool.map(lambda _: data.prepare("mnist", tmp_path / "root", [mirror]), range(2)))
+    assert raws == [tmp_path / "root" / "MNIST" / "raw"] * 2
+    assert caplog.messages.count(f"mnist: got the IDX files from {mirror}") == 1  # the other found them ready
 
 
 def test_load_split_and_to_device(tmp_path):
