@@ -54,17 +54,13 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
         cfg.gpus = topology.world_size  # what runs, as config.yaml records it
     if saved:
         compatibility.check_resumable(saved, cfg)
-    mode = MODES[cfg.mode.name]
-    if not by and topology.device_type == "cpu" and cfg.device == "auto" and mode.without_cuda:
-        where = mode.without_cuda.format(world_size=topology.world_size)
-        log.warning("no CUDA device is visible: mode=%s runs on the CPU %s (device=cuda: an error)", mode.name, where)
     data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
     check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if topology.rank == 0:
         log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
     if by:
         return train(cfg, run_dir, data_dir, topology)
-    if not mode.per_device:
+    if not MODES[cfg.mode.name].per_device:
         return _worker(cfg, run_dir, data_dir, topology)
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.

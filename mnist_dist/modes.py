@@ -83,7 +83,6 @@ class Mode:
     per_device: bool = False  # one worker process per device (`gpus` of them); else one, the launching process
     all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
     max_gpus: int | None = None  # the most devices the mode can use
-    without_cuda: str = ""  # said when the mode runs on the CPU for want of CUDA; {world_size} is filled in
 
     def devices(self, gpus: int) -> int:
         """CUDA devices the job drives for ``gpus``: one per process, or all of them for an all-GPU mode."""
@@ -168,9 +167,9 @@ def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> 
     return shard(model, device, mode.reshard_after_forward)
 
 
-_DP = {"all_gpus": True, "without_cuda": "in one process: DataParallel passes the whole batch through"}
-_SPLIT = {"all_gpus": True, "max_gpus": 2, "without_cuda": "in one process: both parts stay on the CPU"}
-_PER_DEVICE = {"per_device": True, "without_cuda": "in {world_size} processes with gloo"}
+_DP = {"all_gpus": True}
+_SPLIT = {"all_gpus": True, "max_gpus": 2}
+_PER_DEVICE = {"per_device": True}
 MODES: dict[str, Mode] = {
     mode.name: mode
     for mode in (
