@@ -12,6 +12,7 @@ of this script would not have.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -38,7 +39,8 @@ def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def worker(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)  # ADDED FOR DISTRIBUTED: one core per rank, not all of them each
-    dist.init_process_group("gloo")  # ADDED FOR DISTRIBUTED: spawn set the address, port, rank and size
+    # ADDED FOR DISTRIBUTED: where spawn's ranks meet (a file; torchrun would set env://'s variables instead)
+    dist.init_process_group("gloo", init_method=os.environ["MNIST_DIST_INIT_METHOD"], rank=rank, world_size=world_size)
     train_x, train_y = make_data(4096, seed=1)
     test_x, test_y = make_data(1000, seed=2)
     torch.manual_seed(SEED)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)

@@ -53,7 +53,6 @@ class DataConfig:
 
 @dataclass
 class DistConfig:
-    port: int = 0  # rendezvous port on 127.0.0.1 for spawned workers; 0 picks a free one
     timeout_s: int = 60  # a collective that waits longer than this fails instead of hanging
 
 
@@ -108,7 +107,7 @@ _LONGEST_TIMEOUT_S = 7 * 24 * 3600
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
     spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
-    devices as the topology is read, the data's size (data), a checkpoint (compatibility), dist.port (launch)."""
+    devices as the topology is read, the data's size (data), a checkpoint (compatibility)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
@@ -154,8 +153,6 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"optim.lr={shown} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
-    if not 0 <= cfg.dist.port <= 65535:
-        raise ConfigError(f"dist.port={cfg.dist.port} must be a TCP port, 1 to 65535, or 0 to pick a free one")
     if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
         raise ConfigError(
             f"dist.timeout_s={cfg.dist.timeout_s} must be from 1 to {_LONGEST_TIMEOUT_S} (seconds: a week)"

@@ -4,13 +4,12 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext, suppress
 from pathlib import Path
 
-from mnist_dist.config import Config, ConfigError, validate
+from mnist_dist.config import Config, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
@@ -65,15 +64,7 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
     # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
     # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
     start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    args = (cfg, run_dir, data_dir)
-    try:
-        spawn(_spawned_worker, topology.world_size, *args, log_dir=str(run_dir), port=cfg.dist.port, start_method=start)
-    except OSError as error:  # the store's port (a worker's failure is a WorkerFailed)
-        if error.errno != errno.EADDRINUSE:
-            raise
-        raise ConfigError(
-            f"dist.port={cfg.dist.port} is in use on 127.0.0.1; pass dist.port=0 to pick a free one"
-        ) from None
+    spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
     return None
 
 

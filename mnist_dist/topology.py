@@ -64,7 +64,7 @@ def from_env(cfg: Config) -> Topology:
     rank, size, local_rank, local_size = launched_ranks()
     if by == "srun":  # env://: rank 0 serves the store, where the batch script says, else on the first node
         env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
-        env.setdefault("MASTER_PORT", str(cfg.dist.port or 29500))  # torchrun's default port
+        env.setdefault("MASTER_PORT", "29500")  # torchrun's default port
     own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
     needed = 1 if own_gpu else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
@@ -105,6 +105,7 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
         # barrier() knows the device instead of warning at every call).
         dist.init_process_group(
             topology.backend,
+            init_method=os.environ.get("MNIST_DIST_INIT_METHOD"),  # spawn's store file; else env:// or torchrun's
             store=_store_of_this_attempt(timedelta(seconds=timeout_s)),
             rank=topology.rank,
             world_size=topology.world_size,

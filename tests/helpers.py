@@ -56,9 +56,9 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    # spawn set the address, port, rank and world size; a collective that a bug leaves waiting fails within
-    # minutes instead of torch's default half hour
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    # a collective that a bug leaves waiting fails within minutes instead of torch's default half hour
+    init = os.environ["MNIST_DIST_INIT_METHOD"]  # spawn's store
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result_{rank}.pt"))
         dist.barrier()
@@ -66,12 +66,10 @@ def _entry(rank: int, world_size: int, fn, workdir: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, workdir: Path, *args, port: int = 0) -> list:
-    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes (their store
-    on ``port``, 0: a free one); returns what each returned, by rank."""
-    spawn(
-        _entry, world_size, fn, str(workdir), args, port=port, start_method="forkserver"
-    )  # one torch import per session
+def run_ranks(fn, world_size: int, workdir: Path, *args) -> list:
+    """``fn(rank, world_size, *args)`` on each of ``world_size`` gloo ranks in fresh processes; returns what each
+    returned, by rank."""
+    spawn(_entry, world_size, fn, str(workdir), args, start_method="forkserver")  # one torch import per session
     return [torch.load(workdir / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
@@ -168,10 +166,10 @@ def srun(run_dir: Path, *overrides: str, restarts: int = 0) -> list[int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    argv, tasks = [*overrides, f"dist.port={port}", f"hydra.run.dir={run_dir}"], []
+    argv, tasks = [*overrides, f"hydra.run.dir={run_dir}"], []
     for rank in range(2):
         slurm = {"SLURM_PROCID": rank, "SLURM_LOCALID": rank, "SLURM_NTASKS": 2, "SLURM_NODELIST": "localhost"}
-        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0, "SLURM_RESTART_COUNT": restarts}
+        slurm |= {"SLURM_JOB_ID": 4242, "SLURM_STEP_ID": 0, "SLURM_RESTART_COUNT": restarts, "MASTER_PORT": port}
         tasks.append(command(argv, run_dir.parent, {k: str(v) for k, v in slurm.items()}))
     for task in tasks:
         task.join(timeout=300)

@@ -121,7 +121,6 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
         (["optim.lr=abc"], "optim.lr=abc must be a finite positive number"),
         (["optim.lr=nan"], "optim.lr=nan must be a finite positive number"),
         (["label_smoothing=nan"], "label_smoothing=nan must be in [0, 1)"),
-        (["dist.port=70000"], "dist.port=70000 must be a TCP port"),
         (["dist.timeout_s=0"], "dist.timeout_s=0 must be from 1 to 604800"),
         (["dist.timeout_s=100000000000000"], "dist.timeout_s=100000000000000 must be from 1 to 604800"),
         (["mode=torch_ddp", "mode.bucket_cap_mb=nan"], "mode.bucket_cap_mb=nan must be positive (MiB), or null"),

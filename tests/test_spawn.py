@@ -87,7 +87,8 @@ def assert_all_gone(pid_dir: Path, count: int) -> None:
 
 def _stops_responding(rank: int, world_size: int, pid_dir: str) -> None:
     Path(pid_dir, str(os.getpid())).touch()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=2))  # dist.timeout_s
+    init = os.environ["MNIST_DIST_INIT_METHOD"]  # spawn's store; timeout: dist.timeout_s
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size, timeout=timedelta(seconds=2))
     for step in range(1, 1000):
         if rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGSTOP)

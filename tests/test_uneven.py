@@ -2,6 +2,7 @@
 share no longer than the process group's timeout (dist.timeout_s in the app), and the job ends in one line
 naming the likely cause."""
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -16,7 +17,10 @@ TIMEOUT_S = 2  # the process group's: the app's default minute would be most of 
 
 def _one_extra_step(rank: int, world_size: int) -> None:
     """The commonest DDP mistake: rank 1 takes one batch more, and rank 0 waits in barrier()."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    init = os.environ["MNIST_DIST_INIT_METHOD"]  # spawn's store
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     model = DistributedDataParallel(nn.Linear(4, 2))
     for _ in range(3 + rank):
         model(torch.randn(8, 4)).sum().backward()

@@ -1,5 +1,5 @@
-"""A job's workers on one machine, started by torch's launcher, with what it does not do: a store off the
-network, workers that die with a SIGKILLed launcher, Ctrl-C answered by the launcher alone, one line per failure."""
+"""A job's workers on one machine, started by torch's launcher, with what it does not do: a store in a file (no
+socket), workers that die with a SIGKILLed launcher, Ctrl-C answered by the launcher alone, one line per failure."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import ctypes
 import multiprocessing.resource_tracker
 import os
 import signal
-import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import wait
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -30,54 +28,52 @@ def spawn(
     world_size: int,
     *args,
     log_dir: str | None = None,
-    port: int = 0,
     start_method: str = "spawn",
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits.
 
-    Each has torchrun's variables (MASTER_PORT: ``port``, 0: a free one): ``dist.init_process_group(backend)`` meets
-    in this process's store, on loopback like gloo's and NCCL's pairs. ``fn`` and ``args`` must be picklable. A
-    failing worker stops the job: WorkerFailed names its rank and reason in one line, with its log
-    ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C is this
-    process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"`` forks them
-    from one server that imported torch and ``fn``'s module once (CPU only)."""
-    store = _loopback_store(port)
+    Each has torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, and MNIST_DIST_INIT_METHOD, where the ranks
+    meet: ``dist.init_process_group(backend, init_method=os.environ["MNIST_DIST_INIT_METHOD"], rank=rank,
+    world_size=world_size)``; a store file in ``log_dir`` (None: the temp folder), gone when the job ends. ``fn`` and
+    ``args`` must be picklable. A failing worker stops the job: WorkerFailed names its rank and reason in one line,
+    with its log ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C
+    is this process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"``
+    forks them from one server that imported torch and ``fn``'s module once (CPU only)."""
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
-    environment = dict(  # now: a forkserver's worker would otherwise have the server's, from when it started
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        # Every rank connects to this process's store instead of rank 0 serving one on all interfaces.
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        # Pair sockets on loopback: by default gloo and NCCL listen on the host name's address.
-        GLOO_SOCKET_IFNAME="lo",
-        NCCL_SOCKET_IFNAME="lo",
-    )
-    # SIGINT blocked while they start, and so for good in them (a mask survives fork and exec), a forkserver
-    # importing torch included: a terminal signals the whole process group, and each would print a traceback.
-    # A Ctrl-C meanwhile is delivered here after. The resource tracker unblocks it after starting: it goes first.
-    multiprocessing.resource_tracker.ensure_running()
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        context = mp.start_processes(
-            _worker, (fn, environment, args), world_size, join=False, start_method=start_method
+    # A folder of its own: a resume goes on in its run's directory, where a killed job may have left its store.
+    with tempfile.TemporaryDirectory(prefix=".store_", dir=log_dir) as store:
+        environment = dict(  # now: a forkserver's worker would otherwise have the server's, from when it started
+            os.environ,
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            # A file, not env://'s TCPStore, which rank 0 would serve on every interface even when given 127.0.0.1.
+            MNIST_DIST_INIT_METHOD=f"file://{os.path.abspath(store)}/store",
+            # Pair sockets on loopback: by default gloo and NCCL listen on the host name's address.
+            GLOO_SOCKET_IFNAME="lo",
+            NCCL_SOCKET_IFNAME="lo",
         )
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    try:
-        while not context.join(grace_period=_GRACE_S):
-            pass
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-        raise WorkerFailed(_reason(error, log_dir)) from error
-    except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
-        _stop(context.processes, grace_s=None)  # another Ctrl-C ends this process at once, and the workers with it
-        raise
-    finally:
-        _stop(context.processes)  # after Ctrl-C in this process: leave no worker
-        del store  # closes the listening socket
+        # SIGINT blocked while they start, and so for good in them (a mask survives fork and exec), a forkserver
+        # importing torch included: a terminal signals the whole process group, and each would print a traceback.
+        # A Ctrl-C meanwhile is delivered here after. The resource tracker unblocks it after starting: it goes first.
+        multiprocessing.resource_tracker.ensure_running()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            context = mp.start_processes(
+                _worker, (fn, environment, args), world_size, join=False, start_method=start_method
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        try:
+            while not context.join(grace_period=_GRACE_S):
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            raise WorkerFailed(_reason(error, log_dir)) from error
+        except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
+            _stop(context.processes, grace_s=None)  # another Ctrl-C ends this process at once, and the workers too
+            raise
+        finally:
+            _stop(context.processes)  # after Ctrl-C in this process: leave no worker
 
 
 def _worker(rank: int, fn: Callable[..., object], environment: dict[str, str], args: tuple) -> None:
@@ -131,19 +127,3 @@ def die_with_parent() -> None:
     it would otherwise train on with nobody to report to, or hang in a collective."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _loopback_store(port: int) -> dist.TCPStore:
-    """The job's rendezvous store, served here on 127.0.0.1:``port`` (0: a free one, held until the job ends,
-    pytorch/pytorch#11324): TCPStore binds every interface when it opens its own socket, so it gets this one."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", port))
-    listener.listen()
-    return dist.TCPStore(
-        "127.0.0.1",
-        listener.getsockname()[1],
-        is_master=True,
-        timeout=timedelta(seconds=60),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),  # the store owns and closes it
-    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -150,7 +151,7 @@ def _rank_checks(rank: int, world_size: int, cfg: Config, find_unused: bool, out
     """On each rank: one step with our DDP, torch DDP and fsdp from the same weights and data (each rank its own
     batch, the same dropout masks under each wrapper); rank 0 writes what it found to ``out``."""
     torch.set_num_threads(1)  # the ranks share a small CPU
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=os.environ["MNIST_DIST_INIT_METHOD"], rank=rank, world_size=world_size)
     try:
         x, y = random_batch(1 + rank)
         grads, models = {}, {}
