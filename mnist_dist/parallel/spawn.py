@@ -16,7 +16,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_GRACE_S = 5.0  # after a rank failed: for the others to end on their own, then to end on SIGTERM
+_GRACE_S = 5.0  # after a rank failed: for the others to end on their own, then on SIGTERM
 
 
 class WorkerFailed(RuntimeError):
@@ -42,7 +42,7 @@ def spawn(
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
     # A folder of its own: a resume goes on in its run's directory, where a killed job may have left its store.
-    with tempfile.TemporaryDirectory(prefix=".store_", dir=log_dir) as store:
+    with tempfile.TemporaryDirectory(prefix=".store_", dir=log_dir, ignore_cleanup_errors=True) as store:
         environment = dict(  # now: a forkserver's worker would otherwise have the server's, from when it started
             os.environ,
             WORLD_SIZE=str(world_size),
@@ -64,16 +64,17 @@ def spawn(
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        try:
+        try:  # after a failure, join ends the others: SIGTERM after _GRACE_S, SIGKILL (a stopped one) after another
             while not context.join(grace_period=_GRACE_S):
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
             raise WorkerFailed(_reason(error, log_dir)) from error
         except KeyboardInterrupt:  # passed on as SIGTERM: a rank that handles it stops at its next step boundary
-            _stop(context.processes, grace_s=None)  # another Ctrl-C ends this process at once, and the workers too
+            for process in context.processes:
+                process.terminate()
+            for process in context.processes:  # another Ctrl-C ends this process at once, and the workers with it
+                process.join()
             raise
-        finally:
-            _stop(context.processes)  # after Ctrl-C in this process: leave no worker
 
 
 def _worker(rank: int, fn: Callable[..., object], environment: dict[str, str], args: tuple) -> None:
@@ -108,18 +109,6 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_di
     path = None if log_dir is None else os.path.join(log_dir, f"rank_{rank}.log")
     log = f" (log: {path})" if path and os.path.isfile(path) else ""  # a rank may fail before opening its log
     return f"rank {rank} failed: {reason}{log}"
-
-
-def _stop(processes: list, grace_s: float | None = _GRACE_S) -> None:
-    """SIGTERM, then SIGKILL to those still alive after ``grace_s`` (None: waits for them)."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()  # SIGTERM first: a rank blocked in a collective dies at once
-    for process in processes:
-        process.join(grace_s)
-        if process.is_alive():
-            process.kill()  # SIGTERM waits while a process is stopped; SIGKILL does not
-            process.join()
 
 
 def die_with_parent() -> None:
