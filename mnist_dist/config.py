@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -100,8 +101,13 @@ class Config:
     resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
-_MAX_SEED = 2**32 - 1  # what numpy and most tools accept too
-_LONGEST_TIMEOUT_S = 7 * 24 * 3600
+_RANGES = {  # inclusive
+    **dict.fromkeys(("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"), (1, math.inf)),
+    **dict.fromkeys(("eval_every_steps", "checkpoint_every_steps"), (0, math.inf)),
+    # numpy's seeds; each epoch's order is seeded with seed * 100003 + epoch, within torch's 64 bits
+    "seed": (0, 2**32 - 1),
+    "dist.timeout_s": (1, 7 * 24 * 3600),  # torch keeps it in milliseconds, timedelta in days
+}
 
 
 def validate(cfg: Config, topology: Topology) -> None:
@@ -135,16 +141,10 @@ def validate(cfg: Config, topology: Topology) -> None:
 
 
 def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
-    least = dict.fromkeys(("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"), 1)
-    for key, value in {**least, "eval_every_steps": 0, "checkpoint_every_steps": 0}.items():
-        if getattr(cfg, key) < value:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least {value}")
-    if not 0 <= cfg.seed <= _MAX_SEED:
-        # torch.manual_seed takes 64 bits, and each epoch's order is seeded with seed * 100003 + epoch
-        raise ConfigError(
-            f"seed={cfg.seed} must be from 0 to {_MAX_SEED}: the data order and every rank's random state are "
-            "seeded from it within torch's 64 bits"
-        )
+    for key, (least, most) in _RANGES.items():
+        if not least <= (value := attrgetter(key)(cfg)) <= most:
+            bound = f"at least {least}" if most == math.inf else f"from {least} to {most}"
+            raise ConfigError(f"{key}={value} must be {bound}")
     if not 0 <= cfg.target_accuracy <= 1:
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
     lr = cfg.optim.get("lr", 1.0)
@@ -153,10 +153,6 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"optim.lr={shown} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
-    if not 0 < cfg.dist.timeout_s <= _LONGEST_TIMEOUT_S:  # torch keeps it in milliseconds, timedelta in days
-        raise ConfigError(
-            f"dist.timeout_s={cfg.dist.timeout_s} must be from 1 to {_LONGEST_TIMEOUT_S} (seconds: a week)"
-        )
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
     if bucket_cap_mb is not None and not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")

@@ -1,6 +1,5 @@
-"""The one launch path: resolve the topology, validate once, prepare the data, then run the worker
-(``mnist_dist.train.train``): here in a one-process mode, one per device through torch's launcher
-(``mnist_dist.parallel.spawn``), or, under torchrun or srun, as this process."""
+"""The one launch path: resolve the topology, validate once, prepare the data, then train: here in a one-process
+mode, one process per device through ``mnist_dist.parallel.spawn``, or, under torchrun or srun, as this rank."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ log = logging.getLogger("mnist_dist")
 
 
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
-    """Runs the job described by ``cfg``; returns rank 0's results (None in spawned mode). ``overrides``: the
-    command line's, said in one console line once every check has passed, and what a resume changes (the settings
-    they name); without them a resume runs with the checkpoint's config."""
+    """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: the command line's, what a resume
+    changes in the checkpoint's config."""
     # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
     with preemption.installed(cfg.dist.timeout_s) if launcher() else nullcontext():
         return _launch(cfg, run_dir, overrides)
@@ -80,10 +78,8 @@ def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> d
 
 
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
-    """What ``resume=`` names, before anything is overwritten: the config the run goes on with (the checkpoint's
-    own, with what the command line sets), the directory it goes on in, and the checkpoint (None: a fresh run).
-    ``auto``: ``run_dir``'s newest readable checkpoint if it has one, else a fresh run, so that a torchrun restart
-    or a SLURM requeue can relaunch the same command."""
+    """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run).
+    ``auto``: ``run_dir``'s newest readable checkpoint, if any: a torchrun restart or a SLURM requeue runs again."""
     if cfg.resume == "auto":
         found = checkpoint.newest_readable(run_dir)
         cfg.resume = str(found) if found else ""

@@ -1,6 +1,5 @@
-"""Where a job runs, resolved once (as torchtitan's ``ParallelDims``): the mode, the device, how many processes
-and which one this is. The parent ``resolve``s it; every worker, whoever started it, reads its own from the
-environment (``from_env``)."""
+"""Where a job runs (as torchtitan's ``ParallelDims``): the mode, the device, how many processes and which one this
+is; from the config in the parent (``resolve``), from the launcher's variables in a worker (``from_env``)."""
 
 from __future__ import annotations
 
@@ -35,15 +34,13 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        """This process's device: cuda:<local rank> (cuda:0 with a GPU of its own) or cpu."""
         if self.device_type != "cuda":
             return torch.device("cpu")
         return torch.device(f"cuda:{0 if self.own_gpu else self.local_rank}")
 
     @property
     def devices(self) -> list[torch.device]:
-        """Every CUDA device this process computes on: the ``gpus`` of an all-GPU mode (dp, split), else its
-        own; what it synchronises, resets and reports the memory of. The CPU where it runs on the CPU."""
+        """The devices this process computes on (dp and split: ``gpus`` of them): those it synchronises and measures."""
         mode = MODES[self.mode]
         if self.device_type == "cuda" and mode.all_gpus:
             return [torch.device(f"cuda:{i}") for i in range(mode.devices(self.gpus))]
@@ -58,8 +55,7 @@ def resolve(cfg: Config) -> Topology:
 
 
 def from_env(cfg: Config) -> Topology:
-    """This process's topology from the variables its launcher set (torchrun's, srun's, or spawn's as
-    torchrun's): the same worker whoever started it."""
+    """This process's topology from its launcher's variables (torchrun's, srun's, or spawn's as torchrun's)."""
     env, by = os.environ, launcher()
     rank, size, local_rank, local_size = launched_ranks()
     if by == "srun":  # env://: rank 0 serves the store, where the batch script says, else on the first node
@@ -77,8 +73,7 @@ def _topology(cfg: Config, kind: str, size: int, **where: int | bool) -> Topolog
 
 
 def device_type(requested: str, needed: int, what: str = "this", fix: str = "pass device=cpu") -> str:
-    """``cuda`` or ``cpu``: the one rule for which device a process uses, given ``device=`` (auto, cuda,
-    cpu) and the CUDA devices the job drives on this machine; a ConfigError when they are not there."""
+    """``cuda`` or ``cpu`` for ``device=`` when the job drives ``needed`` CUDA devices here; a ConfigError if absent."""
     visible = torch.cuda.device_count()
     if requested == "cpu" or (requested == "auto" and visible == 0):
         return "cpu"
@@ -91,8 +86,8 @@ def device_type(requested: str, needed: int, what: str = "this", fix: str = "pas
     return "cuda"
 
 
-def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> torch.device:
-    """Sets up this process for ``topology`` (threads, kernels, device, process group); returns its device."""
+def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> None:
+    """Sets up this process for ``topology``: threads, kernels, device, process group."""
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
@@ -112,33 +107,27 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
             timeout=timedelta(seconds=timeout_s),
             **({"device_id": topology.device} if topology.backend == "nccl" else {}),
         )
-    return topology.device
 
 
 def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
-    """The one place determinism is set. ``warn_only``: an op with no deterministic kernel warns (naming
-    itself) instead of stopping the run; the pre-flight check passes False to find such ops."""
+    """``warn_only``: an op with no deterministic kernel warns, naming itself, instead of stopping the run."""
     torch.use_deterministic_algorithms(on, warn_only=warn_only)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
 
 
 def fp32_precision(tf32: bool) -> None:
-    """The one place the TF32 policy is set: fp32 convolutions (cuDNN) and matmuls (cuBLAS) in TF32, or in
-    full fp32 ("ieee"). No effect on a CPU."""
-    # The legacy flags first, then torch 2.14's own: torch's code still reads the legacy ones (inductor
-    # does), and reading them raises where they disagree with the new ones.
+    """fp32 convolutions (cuDNN) and matmuls (cuBLAS) in TF32, or in full fp32 ("ieee"). No effect on a CPU."""
+    # The legacy flags too: torch's code (inductor) still reads them, and that raises where they disagree.
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
     precision = "tf32" if tf32 else "ieee"
     torch.backends.cudnn.conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = precision
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
-    """The store this process's group meets in, the job's keys under a prefix of its own; None: env://."""
-    # torchrun's agent serves one TCPStore for all the attempts of a job, and env:// adds no prefix per
-    # attempt: after a restart, a worker would read the dead workers' gloo addresses and fail to connect.
+    """torchrun's store under a prefix of this attempt's (None elsewhere): the agent serves one for all attempts and
+    env:// adds no prefix, so a restarted worker would read the dead workers' gloo addresses and fail to connect."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"mnist_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

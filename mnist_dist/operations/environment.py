@@ -1,5 +1,4 @@
-"""Who started this process as one of a job's workers (torchrun, srun), and its ranks and sizes as the
-launcher's variables say; mnist_dist/topology.py builds the job's topology from them."""
+"""Who started this process as one of a job's workers (torchrun, srun), and its ranks as the launcher says."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST", "SL
 
 
 def launcher() -> str:
-    """Who started the workers: "torchrun", "srun", or "" (this process does). srun counts only with more than
-    one task, and an sbatch script's batch step (no SLURM_STEP_ID) starts its workers itself."""
+    """Who started this process: torchrun, srun (more than one task), or "" (this process starts the workers)."""
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
         return "torchrun"
     if all(key in os.environ for key in _SLURM) and int(os.environ["SLURM_NTASKS"]) > 1:

@@ -1,5 +1,4 @@
-"""The one atomic write that every file written whole goes through (docs/troubleshooting.md): a temp file beside
-the target, fsync, ``os.replace``."""
+"""The atomic write that every file written whole goes through: a temp file beside the target, fsync, os.replace."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ from typing import BinaryIO
 
 @contextmanager
 def atomic(target: Path) -> Iterator[BinaryIO]:
-    """Yields a new temp file ``.<name>.<random>.tmp`` beside ``target``, with the user's umask; once the body
-    returns, it holds the bytes on disk and replaces ``target`` in one step, so that a crash or a signal at any
-    moment leaves the old file or the new one, whole. If the body raises, the temp file goes and ``target`` is as
-    it was. An OSError names ``target`` (a write to a descriptor names no file). A write killed by a signal leaves
-    its temp file: the next write of the same target removes it."""
+    """Yields a temp file beside ``target`` that replaces it, on disk, once the body returns: a crash or a signal at
+    any moment leaves the old file or the new one, whole. An OSError names ``target`` (a write to a descriptor names
+    no file). A write killed by a signal leaves its temp file: the next write of the same target removes it."""
     target = Path(target)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
         stale.unlink(missing_ok=True)
@@ -29,16 +26,14 @@ def atomic(target: Path) -> Iterator[BinaryIO]:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, target)
-    except OSError as error:
+    except BaseException as error:
         temp.unlink(missing_ok=True)
-        raise OSError(error.errno, error.strerror, str(target)) from None
-    except BaseException:
-        temp.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise OSError(error.errno, error.strerror, str(target)) from None
         raise
 
 
 def write(target: Path, data: bytes | memoryview) -> None:
-    """``data`` into ``target``, atomically (``atomic``)."""
     with atomic(target) as file:
         file.write(data)
 
