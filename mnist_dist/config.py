@@ -26,19 +26,8 @@ from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.topology import Topology
 
-
-class Amp(StrEnum):
-    """Autocast for forward and loss; fp16 adds a GradScaler."""
-
-    off = "off"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Device(StrEnum):
-    auto = "auto"  # cuda when available
-    cuda = "cuda"
-    cpu = "cpu"
+Amp = StrEnum("Amp", ["off", "bf16", "fp16"])  # autocast for forward and loss; fp16 adds a GradScaler
+Device = StrEnum("Device", ["auto", "cuda", "cpu"])  # auto: cuda when available
 
 
 @dataclass
@@ -70,8 +59,8 @@ class Config:
     device: Device = Device.auto
     epochs: int = 14
     batch_size: int = 64  # GLOBAL batch per optimizer step, in every mode, so curves compare
-    # Micro-batches per optimizer step: each rank's share of batch_size is split into this many, and
-    # ddp modes all-reduce only after the last (no_sync before), so memory per pass drops by this factor.
+    # Micro-batches per optimizer step, each rank's share of batch_size split into this many; ddp modes all-reduce
+    # after the last only (no_sync before), so memory per pass drops by this factor.
     accumulate: int = 1
     test_batch_size: int = 1000
     seed: int = 1
@@ -81,20 +70,17 @@ class Config:
     amp: Amp = Amp.off
     channels_last: bool = False  # NHWC memory layout for images and convolution weights
     compile: bool = False  # torch.compile the model (in place) before the mode wraps it
-    # Deterministic kernels and cuDNN settings: the same numbers every run. Free on CPU; on GPU it
-    # rules out cuDNN autotuning and some atomics-based kernels (a few percent for this convnet).
+    # The same numbers every run; on GPU no cuDNN autotuning nor atomics-based kernels (a few percent here).
     deterministic: bool = True
-    # fp32 convolutions and matmuls on CUDA in TF32 (10-bit mantissa, faster on Ampere and later) instead of
-    # full fp32. Off by default: torch 2.14 would run cuDNN convolutions in TF32 unasked, and results then
-    # differ from the CPU's and between batch shapes by far more than fp32 rounding. No effect on a CPU.
+    # fp32 convolutions and matmuls on CUDA in TF32 (faster on Ampere and later). Off: torch 2.14 would run cuDNN
+    # convolutions in TF32 unasked, and results would differ from the CPU's by far more than fp32 rounding.
     tf32: bool = False
-    # Time to accuracy: stop once the exact test accuracy (a fraction) reaches this; 0 trains every epoch
-    target_accuracy: float = 0.0
+    target_accuracy: float = 0.0  # stop once the exact test accuracy (a fraction) reaches this; 0: every epoch
     eval_every_steps: int = 0  # also evaluate every this many optimizer steps; 0: at epoch ends only
     label_smoothing: float = 0.0  # of the training loss (the test loss stays plain cross-entropy)
     recipe: str = "classic"  # set by conf/recipe/<name>.yaml: which recipe chose the settings above
-    # a checkpoint.pt, or a run directory holding one: continue that run, there. auto: continue this
-    # run directory's checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
+    # a checkpoint.pt, or a run directory holding one: continue that run, there. auto: this run directory's
+    # checkpoint if it has one, else start fresh (torchrun restarts, SLURM requeues)
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
@@ -111,9 +97,8 @@ _RANGES = {  # inclusive
 
 
 def validate(cfg: Config, topology: Topology) -> None:
-    """Every check a setting gets, once the job's topology is known: launch calls it on every path (one process,
-    spawned workers, torchrun, srun) before any worker or file, and on a resume's config. Checked elsewhere: the
-    devices as the topology is read, the data's size (data), a checkpoint (compatibility)."""
+    """Every check a setting gets once the job's topology is known, before any worker starts. Checked elsewhere: the
+    devices (topology), the data's size (data), a checkpoint (compatibility)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
