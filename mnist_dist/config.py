@@ -1,7 +1,5 @@
-"""The configuration schema: every setting, declared once, with its default and why it exists. Hydra merges the
-YAML files in ``conf/`` onto these dataclasses, so a misspelt key or a value of the wrong type fails while the config
-is composed. Each mode's knobs are in ``mnist_dist/modes.py``; ``model``, ``data``, ``optim`` and ``scheduler``
-defaults in their YAML files."""
+"""The configuration schema: every setting, with its default and why it exists (each mode's knobs: modes.py), onto
+which Hydra merges ``conf/``, so that a misspelt key or a value of the wrong type fails while the config is composed."""
 
 from __future__ import annotations
 
@@ -144,8 +142,7 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
 
 
 def _check_model(model: dict) -> None:
-    """The model's target and its arguments, here in the parent: a misspelt argument or a target that is no
-    Module is one line before any worker starts, not one traceback per rank."""
+    """A misspelt model argument or a target that is no Module: one line in the parent, not a traceback per rank."""
     target = str(model.get("_target_"))
     module, _, name = target.rpartition(".")
     try:
@@ -171,9 +168,8 @@ def _check_model(model: dict) -> None:
 
 
 def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
-    """A key that ``+key=...`` added where the schema has none: OmegaConf.to_object would drop it silently
-    (``+num_workers=2`` trained as if never said). model, optim and scheduler take any key (their
-    constructors' arguments); the other groups are dataclasses."""
+    """A key that ``+key=...`` added where a dataclass has none, which OmegaConf.to_object would drop silently
+    (model, optim and scheduler take any key: their constructors' arguments)."""
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return
@@ -189,8 +185,8 @@ def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """Hydra's composition errors span several lines; the same in one: its first line and its cause's, which names
-    the key (with the schema's keys), or a group's options where a choice is none of them."""
+    """A Hydra composition error in one line: its first and its cause's, which names the key (and the schema's keys),
+    or a group's options where a choice is none of them."""
     if isinstance(error, MissingConfigException) and error.options is not None:  # mode=foo
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
