@@ -27,7 +27,6 @@ from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
 if TYPE_CHECKING:
     from mnist_dist.train import Run
 
-FORMAT = 6  # raised whenever what a checkpoint holds changes, its config's settings included
 NEWEST = "checkpoint.pt"
 
 log = logging.getLogger("mnist_dist")
@@ -80,11 +79,6 @@ def _read(path: Path) -> dict:
         raise ConfigError(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
     if not isinstance(saved, dict) or "step" not in saved:
         raise ConfigError(f"not a mnist_dist checkpoint (final weights are in model.pt; resume from {NEWEST})")
-    if saved.get("format") != FORMAT:
-        raise ConfigError(
-            f"checkpoint format {saved.get('format')}, but this version of mnist_dist reads format {FORMAT} only; "
-            "resume it with the version that wrote it"
-        )
     return saved
 
 
@@ -159,7 +153,6 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "meters": meters,  # by rank
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
-            "format": FORMAT,
         }
         save(saved, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
