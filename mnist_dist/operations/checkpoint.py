@@ -2,8 +2,7 @@
 
 Written whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite;
 read with ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through
-``torch.distributed.checkpoint.state_dict`` (parallel/state.py), keyed by the plain model's names in every mode.
-Whether a checkpoint may resume this command's config is compatibility.py's question."""
+parallel/state.py, keyed by the plain model's names in every mode."""
 
 from __future__ import annotations
 
@@ -34,14 +33,14 @@ log = logging.getLogger("mnist_dist")
 
 def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     """``torch.save`` to ``path`` whole or not at all; ``keep_previous``: the file it replaces stays as
-    ``<name>.1.pt``. Serialised in memory first, so a full disk fails as OSError(ENOSPC) naming ``path``."""
+    ``<name>.1.pt``. Serialised in memory first, so that a full disk is an OSError naming ``path``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     with files.atomic(path) as file:
         file.write(buffer.getvalue())
         file.flush()
         os.fsync(file.fileno())
-        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
+        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt
         if keep_previous and path.exists():
             os.replace(path, path.with_suffix(".1.pt"))
 
@@ -70,12 +69,9 @@ def _read(path: Path) -> dict:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
-        raise ConfigError(
-            "it holds something other than tensors and plain values, which mnist_dist never loads (not a "
-            "mnist_dist checkpoint, or a crafted one)"
-        ) from None
+        raise ConfigError("it holds more than tensors and plain values: not a mnist_dist checkpoint") from None
     except Exception as error:  # truncated, unreadable: the same to the user
-        detail = str(error).splitlines()[0] if str(error) else "no detail"
+        detail = (str(error) or "no detail").splitlines()[0]
         raise ConfigError(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
     if not isinstance(saved, dict) or "step" not in saved:
         raise ConfigError(f"not a mnist_dist checkpoint (final weights are in model.pt; resume from {NEWEST})")
@@ -83,9 +79,8 @@ def _read(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or else the previous one if it can be read (logged); None
-    when there is none, ConfigError when none can be read. Falls back rather than refuses because a torchrun
-    restart or a SLURM requeue runs the same command again."""
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged, since a
+    torchrun restart or a SLURM requeue runs the same command again); None when there is none."""
     skipped = []
     for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
         if not path.exists():
@@ -128,11 +123,18 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
     collective). Raises TrainingDiverged on a non-finite loss since the last check or non-finite weights (a
     step's update can diverge while its loss was finite)."""
-    learner, path = run.learner, run.run_dir / NEWEST
+    learner, meters, path = run.learner, run.meters, run.run_dir / NEWEST
     run.losses.check(run.step, run.topology.rank)
     # Collectives: fsdp gathers its shards; rank 0 keeps the full state.
     rng = rng_states_of_all_ranks()
-    meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
+    mine = {
+        "train_s": meters.train_time.read(),  # mid-epoch it is running
+        "eval_s": meters.eval_time.read(),
+        "images": meters.throughput.total_images,
+        "images_s": meters.throughput.total_seconds,
+        "window_losses": [loss.item() for loss in run.losses.window] if epoch_step else [],  # a split log window
+    }
+    by_rank = gather_objects(mine)
     model_state = state.model_state(learner.model)
     optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
@@ -150,7 +152,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "epoch_step": epoch_step,  # steps done in the next (0 at an epoch's end)
             "step": run.step,
             "rng": rng,  # by rank
-            "meters": meters,  # by rank
+            "meters": by_rank,
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
         }
@@ -160,41 +162,22 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
 
 def restore(run: Run, resumed: dict) -> None:
     """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``; the
-    caller loaded the weights into the plain model before wrapping it."""
-    learner = run.learner
+    caller loaded the weights into the plain model before wrapping it. Clocks go on from rank 0's; each rank's counts
+    and split log window from its own, on as many ranks as the checkpoint's only (on another number each rank's
+    share differs, so they start anew)."""
+    learner, meters, by_rank = run.learner, run.meters, resumed["meters"]
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
     learner.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.step = resumed["step"]
     restore_rng(resumed["rng"], run.topology.rank)
-    restore_meters(run, resumed["meters"])
+    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
+    if len(by_rank) == run.topology.world_size:
+        mine = by_rank[run.topology.rank]
+        meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
+        run.losses.window = [torch.tensor(loss, device=run.train_set[0].device) for loss in mine["window_losses"]]
     run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, resumed["epoch"] + 1, run.step)
-
-
-def meters_of(run: Run, mid_epoch: bool) -> dict:
-    """This rank's clocks, images and seconds, and mid-epoch the split log window's losses, for a resume."""
-    meters = run.meters
-    return {
-        "train_s": meters.train_time.read(),  # mid-epoch it is running
-        "eval_s": meters.eval_time.read(),
-        "images": meters.throughput.total_images,
-        "images_s": meters.throughput.total_seconds,
-        "window_losses": [loss.item() for loss in run.losses.window] if mid_epoch else [],
-    }
-
-
-def restore_meters(run: Run, by_rank: list[dict]) -> None:
-    """Clocks go on from rank 0's; each rank's counts and split log window from its own, only on as many ranks as
-    the checkpoint's (on another number each rank's share differs, so they start anew)."""
-    meters = run.meters
-    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
-    if len(by_rank) != run.topology.world_size:
-        return
-    mine = by_rank[run.topology.rank]
-    meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
-    device = run.train_set[0].device
-    run.losses.window = [torch.tensor(loss, device=device) for loss in mine["window_losses"]]
 
 
 def gather_objects(mine: Any) -> list:
@@ -215,10 +198,8 @@ def rng_states_of_all_ranks() -> list[dict]:
 
 def restore_rng(states: list[dict], rank: int) -> None:
     """This rank's generators as ``states[rank]`` left them (resumed on more ranks: the new ones keep their seed)."""
-    if rank >= len(states):
-        return
-    mine = states[rank]
-    random.setstate(mine["python"])
-    torch.set_rng_state(mine["torch"])
-    if mine["cuda"] is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state_all(mine["cuda"][: torch.cuda.device_count()])
+    if rank < len(states):
+        random.setstate(states[rank]["python"])
+        torch.set_rng_state(states[rank]["torch"])
+        if states[rank]["cuda"] is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
