@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -77,14 +76,5 @@ def per_rank(value: float) -> list[float]:
 
 def save_json(obj: dict, path: Path) -> None:
     """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
-    files.write_text(path, json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n")
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
+    plain = json.loads(json.dumps(obj), parse_constant=lambda nan_or_inf: None)
+    files.write_text(path, json.dumps(plain, indent=2, allow_nan=False) + "\n")
