@@ -1,9 +1,5 @@
-"""The run's TensorBoard directory: written by rank 0 alone, read by the tools and the tests.
-
-One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
-rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
-node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
-mode overlay; every tag, and what it means: docs/running.md#tensorboard."""
+"""One TensorBoard run per training run, ``<run>/tb``, written by rank 0 alone (the ranks gather their numbers to it),
+so a sweep lists one run per mode and a resume continues one event stream. Every tag: docs/running.md#tensorboard."""
 
 from __future__ import annotations
 
@@ -14,8 +10,8 @@ from torch.utils.tensorboard.summary import hparams
 
 from mnist_dist.metrics import job_images_per_s
 
-# CUSTOM SCALARS: {section: {chart title: ["Multiline", [tag regex]]}}. The first section reads the global
-# tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
+# CUSTOM SCALARS: {section: {chart title: ["Multiline", [tag regex]]}}: the global tags one line per run (per
+# mode in a sweep), the per-rank ones one line per rank and run.
 LAYOUT = {
     "compare runs (global numbers)": {
         "training loss, mean over ranks": ["Multiline", [r"^train/loss_global$"]],
@@ -39,8 +35,7 @@ def tb_dir(run_dir: Path) -> Path:
 
 
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged: the
-    one reader of the tags above (compare, bench and the tests read runs through it)."""
+    """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
@@ -65,8 +60,8 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 
 class Scalars:
     """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
-    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (the
-    checkpoint's step; for a fresh run, anything) is purged (``purge_step``): one run, not two merged."""
+    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (for a
+    fresh run, anything) is purged: one run, not two merged."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
         self.directory = tb_dir(run_dir)
