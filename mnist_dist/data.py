@@ -1,11 +1,8 @@
-"""MNIST / Fashion-MNIST on disk and on the device.
+"""MNIST / Fashion-MNIST on disk and on the device. ``prepare`` runs once, in the launching process; workers read the
+IDX files with ``load_split``, which needs no network (importing torchvision would cost every worker seconds).
 
-`prepare` runs once in the launching process (docs/running.md); workers only call `load_split`, a small IDX reader
-that needs no network (importing torchvision would cost every worker seconds).
-
-Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r takes the
-r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single process's gradient
-of that batch. The last incomplete global batch is dropped: every rank takes equal steps."""
+A global batch is a slice of one seeded permutation per epoch and rank r takes the r-th of its ``world_size`` equal
+parts, so the mean of the ranks' gradients is the single process's of that batch. The last incomplete one is dropped."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ from mnist_dist.operations.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class and folder
-# The md5 of each decompressed file. torchvision knows only the md5s of the upstream .gz archives, and Debian's
-# .gz files are recompressed (other md5s, the same bytes inside). MNIST's are the ones published beside the
-# archives' md5s that torchvision checks; Fashion-MNIST's were computed from Debian's files.
+# The md5 of each decompressed file: torchvision knows only the upstream .gz archives', and Debian's .gz files are
+# recompressed (other md5s, the same bytes inside). Fashion-MNIST's were computed from Debian's files.
 _RAW_MD5 = {
     "mnist": {
         "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
@@ -54,54 +50,49 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
-    """Makes ``raw_dir(name, root)`` (torchvision's layout) hold the four decompressed IDX files; returns it.
-
-    Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
-    .gz files in that folder, then ``mirrors``, are tried in order: a URL through torchvision (md5 of the upstream
-    archive), a folder only if all four files are ``name``'s by md5. Launches sharing ``root`` wait on a lock.
-    DataError when none works, with nothing written."""
+    """Makes ``raw_dir(name, root)`` hold the four decompressed IDX files and returns it. Files already there are used
+    as they are (torchvision's rule); else the .gz files there, then ``mirrors``, are tried in order: a URL through
+    torchvision (the upstream archives' md5s), a folder only if all four files are ``name``'s by md5. Launches that
+    share ``root`` fetch once (a lock). DataError when none works, with nothing written."""
     raw = raw_dir(name, root)
-    if not _complete(raw):
-        sources = [str(raw)] * any(raw.glob("*.gz")) + list(mirrors)
-        if not sources:
-            raise _missing(name, raw, [])
+    if _complete(raw):
+        return raw
+    tried = []
+    if sources := [str(raw)] * any(raw.glob("*.gz")) + list(mirrors):
         raw.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(raw.parent / ".prepare.lock"):
-            if not _complete(raw):
-                _fetch(name, raw, sources)
-    return raw
+            if _complete(raw):  # another launch got them while this one waited
+                return raw
+            for source in sources:
+                try:
+                    if source.startswith(("http://", "https://")):
+                        _download(name, raw.parent.parent, source)
+                    else:
+                        _copy(name, Path(source).expanduser(), raw)
+                    log.info("%s: got the IDX files from %s", name, source)
+                    return raw
+                # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
+                # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+                except (OSError, RuntimeError, EOFError, zlib.error) as e:
+                    tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
+    raise DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
+        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
+        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
+        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
+    )
 
 
 def _complete(raw: Path) -> bool:
     return all((raw / file).is_file() for file in _FILES)
 
 
-def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
-    tried = []
-    for source in sources:
-        try:
-            if source.startswith(("http://", "https://")):
-                _download(name, raw.parent.parent, source)
-            else:
-                _copy(name, Path(source).expanduser(), raw)
-            log.info("%s: got the IDX files from %s", name, source)
-            return
-        # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
-        # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
-        except (OSError, RuntimeError, EOFError, zlib.error) as e:
-            tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
-    raise _missing(name, raw, tried)
-
-
 def _download(name: str, root: Path, url: str) -> None:
     """torchvision's download of the four archives from ``url``, each checked by its upstream md5."""
-    # Imported here, in the parent only: torchvision imports torch._dynamo, seconds of CPU.
-    import torchvision.datasets
+    import torchvision.datasets  # in the parent only: it imports torch._dynamo, seconds of CPU
 
     cls = getattr(torchvision.datasets, _DATASETS[name])
     # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
-    mirrored = type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})
-    mirrored(root, train=True, download=True)
+    type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})(root, train=True, download=True)
 
 
 def _copy(name: str, folder: Path, raw: Path) -> None:
@@ -119,14 +110,6 @@ def _copy(name: str, folder: Path, raw: Path) -> None:
     raw.mkdir(parents=True, exist_ok=True)
     for file, content in contents.items():
         files.write(raw / file, content)
-
-
-def _missing(name: str, raw: Path, tried: list[str]) -> DataError:
-    return DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
-        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
-        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
-        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
 
 
 def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
