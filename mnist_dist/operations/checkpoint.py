@@ -82,9 +82,7 @@ def newest_readable(run_dir: Path) -> Path | None:
     """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged, since a
     torchrun restart or a SLURM requeue runs the same command again); None when there is none."""
     skipped = []
-    for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
-        if not path.exists():
-            continue
+    for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
         try:
             step = _read(path)["step"]
         except ConfigError as why:

@@ -64,20 +64,15 @@ class Scalars:
     fresh run, anything) is purged: one run, not two merged."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
-        self.directory = tb_dir(run_dir)
-        self.rank = rank
+        self.directory, self.rank = tb_dir(run_dir), rank
         self.purge_step = 0 if resumed_step is None else resumed_step + 1
-        self._writer: SummaryWriter | None = None
-
-    @property
-    def writer(self) -> SummaryWriter | None:
-        if self.rank == 0 and self._writer is None:
-            self._writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
-            self._writer.add_custom_scalars(LAYOUT)
-        return self._writer
+        self.writer: SummaryWriter | None = None
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
+        if self.rank == 0 and self.writer is None:
+            self.writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
+            self.writer.add_custom_scalars(LAYOUT)
         if self.writer is not None:
             for tag, value in tags.items():
                 self.writer.add_scalar(tag, value, step)
@@ -90,6 +85,5 @@ class Scalars:
                 self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            writer.close()
+        if self.writer is not None:
+            self.writer.close()
