@@ -113,16 +113,11 @@ def _copy(name: str, folder: Path, raw: Path) -> None:
 
 
 def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` checked the files."""
-    prefix = "train" if train else "t10k"
-    raw = Path(raw_dir)
-    images = _read_idx(raw / f"{prefix}-images-idx3-ubyte", header_len=16)
-    labels = _read_idx(raw / f"{prefix}-labels-idx1-ubyte", header_len=8)
+    """Images uint8 [N, 28, 28] and labels int64 [N] of one split, past their IDX headers; `prepare` checked them."""
+    prefix = Path(raw_dir) / ("train" if train else "t10k")
+    images = torch.frombuffer(bytearray(Path(f"{prefix}-images-idx3-ubyte").read_bytes()[16:]), dtype=torch.uint8)
+    labels = torch.frombuffer(bytearray(Path(f"{prefix}-labels-idx1-ubyte").read_bytes()[8:]), dtype=torch.uint8)
     return images.view(-1, 28, 28), labels.long()
-
-
-def _read_idx(path: Path, header_len: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
 
 
 def to_device_tensors(
@@ -136,8 +131,7 @@ def to_device_tensors(
 
 def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
     """ConfigError if the global batch is larger than the training set (zero steps, an untrained model saved)."""
-    with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
-        images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
+    images = (raw_dir / "train-labels-idx1-ubyte").stat().st_size - 8  # a byte per label after the IDX header
     if batch_size > images:
         raise ConfigError(
             f"batch_size={batch_size} is larger than the training set ({images} images): no step would "
