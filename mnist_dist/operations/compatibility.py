@@ -65,15 +65,12 @@ def check_resumable(state: dict, cfg: Config) -> None:
     saved = saved_config(state)
     before = _trained_with(saved["model"], saved["batch_size"], saved["data"]["name"])
     after = _trained_with(cfg.model, cfg.batch_size, cfg.data.name)
-    changed = [
-        f"{key} {before.get(key)!r} -> {after.get(key)!r}"
-        for key in {**before, **after}
-        if before.get(key) != after.get(key)
-    ]
+    changed = [key for key in {**before, **after} if before.get(key) != after.get(key)]
     if changed and not cfg.resume_allow_changes:
+        changes = "; ".join(f"{key} {before.get(key)!r} -> {after.get(key)!r}" for key in changed)
         raise ConfigError(
-            f"resume: this command changes what the checkpoint was trained with ({'; '.join(changed)}); leave that "
-            "out to go on with the run's own, or add resume_allow_changes=true if it is intended"
+            f"resume: this command changes what the checkpoint was trained with ({changes}); leave that out to go on "
+            "with the run's own, or add resume_allow_changes=true if it is intended"
         )
     if state["epoch"] >= cfg.epochs:
         raise ConfigError(
