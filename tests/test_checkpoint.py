@@ -149,7 +149,7 @@ def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(t
     # no batch_size=32: a resume takes the run's own settings, not the defaults
     launch(compose_config(tiny_root, "epochs=2", "resume=auto"), run_dir, ("epochs=2", "resume=auto"))
     (said,) = [line for line in caplog.messages if line.startswith("resume=auto")]
-    assert said.startswith("resume=auto: skipped checkpoint.pt (cannot read the checkpoint (")
+    assert said.startswith(f"resume=auto: skipped {run_dir}/checkpoint.pt: cannot read the checkpoint (")
     assert said.endswith(f"; resuming from {run_dir}/checkpoint.1.pt (step 10)")
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 40  # steps 11 to 40 were trained
     assert saved_step(run_dir / "checkpoint.pt") == 40 and saved_step(run_dir / "checkpoint.1.pt") == 30
@@ -163,13 +163,13 @@ def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_
     newest.write_bytes(newest.read_bytes()[:1000])
     (run_dir / "checkpoint.1.pt").write_bytes(b"not a checkpoint")
     before = contents(run_dir)
-    with pytest.raises(ConfigError, match=f"^resume={newest}: cannot read the checkpoint \\("):
+    with pytest.raises(ConfigError, match=f"^{newest}: cannot read the checkpoint \\("):
         launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
     with pytest.raises(ConfigError) as error:
         launch(compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto"), run_dir)
     message = str(error.value)
-    assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: checkpoint.pt (")
-    assert "; checkpoint.1.pt (" in message and message.endswith("; move them away to start afresh")
+    assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: {newest}: cannot read the")
+    assert f"; {run_dir}/checkpoint.1.pt: " in message and message.endswith("; move them away to start afresh")
     assert "\n" not in message and contents(run_dir) == before and not (tmp_path / "new").exists()
 
 

@@ -58,21 +58,14 @@ def locate(resume: str) -> Path:
 
 
 def load(path: Path) -> dict:
-    """The checkpoint at ``path``, or a one-line ConfigError saying why not."""
-    try:
-        return _read(path)
-    except ConfigError as why:
-        raise ConfigError(f"resume={path}: {why}") from None
-
-
-def _read(path: Path) -> dict:
+    """The checkpoint at ``path``, or a one-line ConfigError naming it and saying why not."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
-        raise ConfigError("it holds more than tensors and plain values: not a mnist_dist checkpoint") from None
+        raise ConfigError(f"{path}: it holds more than tensors and plain values: not a mnist_dist checkpoint") from None
     except Exception as error:  # truncated, unreadable: the same to the user
         detail = (str(error) or "no detail").splitlines()[0]
-        raise ConfigError(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
+        raise ConfigError(f"{path}: cannot read the checkpoint ({type(error).__name__}: {detail})") from None
 
 
 def newest_readable(run_dir: Path) -> Path | None:
@@ -81,9 +74,9 @@ def newest_readable(run_dir: Path) -> Path | None:
     skipped = []
     for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
         try:
-            step = _read(path)["step"]
+            step = load(path)["step"]
         except ConfigError as why:
-            skipped.append(f"{path.name} ({why})")
+            skipped.append(str(why))
             continue
         if skipped:
             log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, step)
