@@ -22,10 +22,7 @@ REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume an
 def saved_config(state: dict) -> dict:
     """The checkpoint's config as plain data (``yaml.safe_load``), never through OmegaConf, whose interpolations
     and resolvers (``${oc.env:...}``) a crafted file would run: one is refused."""
-    try:
-        saved = yaml.safe_load(state["config"])
-    except Exception:  # not YAML, or no config: the same to the user
-        raise ConfigError(REFUSED) from None
+    saved = yaml.safe_load(state["config"])
     if "${" in str(saved):
         raise ConfigError(REFUSED)
     return saved
@@ -35,9 +32,10 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
     """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's) name taken from
     ``cfg``. A group they choose (``model=fastnet``) is the command's whole; so is everything for ``recipe=``,
     whose package is the whole config."""
-    saved, mine = saved_config(state), dataclasses.asdict(cfg)
+    mine = dataclasses.asdict(cfg)
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
     try:
+        saved = saved_config(state)
         for key in mine if "recipe" in keys else [key for key in keys if key.split(".")[0] in mine]:  # not hydra.*
             *parents, last = key.split(".")
             source, target = mine, saved
@@ -50,7 +48,7 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
         name = saved["mode"]["name"]
         conf = OmegaConf.structured(Config(mode=MODES[name].schema(name=name)))
         return OmegaConf.to_object(OmegaConf.merge(conf, saved))  # typed: a wrong type or unknown key fails
-    except Exception:  # not a mapping, a key missing, a value of another type
+    except Exception:  # no config, not YAML, not a mapping, a key missing, a value of another type
         raise ConfigError(REFUSED) from None
 
 
