@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,9 +25,6 @@ log = logging.getLogger("mnist_dist")
 def finish(run: Run, wall_time_s: float) -> dict:
     """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
     cfg, topology, meters, score = run.cfg, run.topology, run.meters, run.score
-    # Every rank's peak RSS (Linux: KiB), and the parameters, gradients and optimizer state it held after a step,
-    # from their storage (shards in fsdp), in MiB.
-    memory = all_gather([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, meters.state_bytes / 2**20])
     results = {
         "mode": cfg.mode.name,  # the choice (dp_block, not dp)
         "world_size": topology.world_size,
@@ -48,8 +44,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
             all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
         ),
         "wall_time_s": wall_time_s,
-        "peak_rss_mib": [rss for rss, _ in memory],
-        "model_state_mib": [state for _, state in memory],
+        # Parameters, gradients and optimizer state each rank held after a step, from their storage: shards in fsdp.
+        "model_state_mib": [mib for (mib,) in all_gather([meters.state_bytes / 2**20])],
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
     saved_model = model_state(run.learner.model)  # a collective in fsdp
