@@ -78,7 +78,4 @@ def check_resumable(state: dict, cfg: Config) -> None:
     # Another mode or world size is no change, only said: the global batches, and so the training, are the same.
     now, then = (cfg.mode.name, world_size(cfg)), (saved["mode"]["name"], state["world_size"])
     if now != then:
-        said = (
-            "resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d: the same global batches follow"
-        )
-        log.info(said, *now, *then)
+        log.info("resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d", *now, *then)
