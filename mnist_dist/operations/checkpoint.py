@@ -122,16 +122,15 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
         "images_s": meters.throughput.total_seconds,
         "window_losses": [loss.item() for loss in run.losses.window] if epoch_step else [],  # a split log window
     }
-    by_rank = gather_objects(mine)
+    meters_by_rank = gather_objects(mine)
     model_state = state.model_state(learner.model)
     optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
-        poisoned = first_non_finite(model_state)
-        if poisoned:
+        if poisoned := first_non_finite(model_state):
             raise TrainingDiverged(
                 f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
             )
-        saved = {
+        checkpoint = {
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": learner.scheduler.state_dict(),
@@ -140,19 +139,18 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "epoch_step": epoch_step,  # steps done in the next (0 at an epoch's end)
             "step": run.step,
             "rng": rng,  # by rank
-            "meters": by_rank,
+            "meters": meters_by_rank,
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
         }
-        save(saved, path, keep_previous=True)
+        save(checkpoint, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
 
 
 def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``; the
-    caller loaded the weights into the plain model before wrapping it. Clocks go on from rank 0's; each rank's counts
-    and split log window from its own, on as many ranks as the checkpoint's only (on another number each rank's
-    share differs, so they start anew)."""
+    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run`` (the
+    weights went into the plain model before it was wrapped). Clocks go on from rank 0's; counts and a split log
+    window from the rank's own, on as many ranks as the checkpoint's only (elsewhere each rank's share differs)."""
     learner, meters, by_rank = run.learner, run.meters, resumed["meters"]
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
