@@ -52,8 +52,7 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
         if seconds:
             tags[f"rank_{rank}/perf/images_per_s"] = images / seconds
     tags["train/loss_global"] = sum(row[0] for row in gathered) / len(gathered)
-    rate = job_images_per_s([(row[1], row[2]) for row in gathered])
-    if rate:
+    if rate := job_images_per_s([(row[1], row[2]) for row in gathered]):
         tags["perf/images_per_s_global"] = rate
     return tags
 
