@@ -64,10 +64,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                 return raw
             for source in sources:
                 try:
-                    if source.startswith(("http://", "https://")):
-                        _download(name, raw.parent.parent, source)
-                    else:
-                        _copy(name, Path(source).expanduser(), raw)
+                    _fetch(name, source, raw)
                     log.info("%s: got the IDX files from %s", name, source)
                     return raw
                 # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
@@ -85,18 +82,18 @@ def _complete(raw: Path) -> bool:
     return all((raw / file).is_file() for file in _RAW_MD5["mnist"])  # the same four names in both
 
 
-def _download(name: str, root: Path, url: str) -> None:
-    """torchvision's download of the four archives from ``url``, each checked by its upstream md5."""
-    import torchvision.datasets  # in the parent only: it imports torch._dynamo, seconds of CPU
+def _fetch(name: str, source: str, raw: Path) -> None:
+    """The four files of ``source`` into ``raw``: from a URL by torchvision's download, which checks the upstream
+    archives' md5s; from a folder (.gz or decompressed) once all four are ``name``'s by md5."""
+    if source.startswith(("http://", "https://")):
+        import torchvision.datasets  # in the parent only: it imports torch._dynamo, seconds of CPU
 
-    cls = getattr(torchvision.datasets, _DATASETS[name])
-    # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
-    type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})(root, train=True, download=True)
-
-
-def _copy(name: str, folder: Path, raw: Path) -> None:
-    """The four files of ``folder`` (.gz or decompressed) into ``raw``, once all four are ``name``'s by md5."""
-    contents = {}
+        cls = getattr(torchvision.datasets, _DATASETS[name])
+        # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
+        mirrored = type(cls.__name__, (cls,), {"mirrors": [source.rstrip("/") + "/"]})
+        mirrored(raw.parent.parent, train=True, download=True)
+        return
+    folder, contents = Path(source).expanduser(), {}
     for file, md5_want in _RAW_MD5[name].items():
         gz = folder / f"{file}.gz"
         contents[file] = gzip.decompress(gz.read_bytes()) if gz.is_file() else (folder / file).read_bytes()
