@@ -1,8 +1,7 @@
-"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and the files that hold it.
-
-Written whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite;
-read with ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through
-parallel/state.py, keyed by the plain model's names in every mode."""
+"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one. Written whole or not at all, the
+previous one kept as ``checkpoint.1.pt``; never from weights that are not finite; read with
+``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through parallel/state.py,
+keyed by the plain model's names in every mode."""
 
 from __future__ import annotations
 
