@@ -32,14 +32,14 @@ log = logging.getLogger("mnist_dist")
 
 def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     """``torch.save`` to ``path`` whole or not at all; ``keep_previous``: the file it replaces stays as
-    ``<name>.1.pt``. Serialised in memory first, so that a full disk is an OSError naming ``path``."""
+    ``<name>.1.pt``. Serialised in memory first, so a full disk fails as OSError(ENOSPC) naming ``path``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     with files.atomic(path) as file:
         file.write(buffer.getvalue())
         file.flush()
         os.fsync(file.fileno())
-        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt
+        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
         if keep_previous and path.exists():
             os.replace(path, path.with_suffix(".1.pt"))
 
@@ -129,7 +129,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             raise TrainingDiverged(
                 f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
             )
-        checkpoint = {
+        saved = {
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": learner.scheduler.state_dict(),
@@ -142,7 +142,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
         }
-        save(checkpoint, path, keep_previous=True)
+        save(saved, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
 
 
