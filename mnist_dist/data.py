@@ -1,11 +1,7 @@
-"""MNIST / Fashion-MNIST on disk and on the device.
-
-`prepare` runs once in the launching process (docs/running.md); workers only call `load_split`, a small IDX reader
-that needs no network (importing torchvision would cost every worker seconds).
-
-Then which samples each rank sees: a global batch is a slice of one seeded permutation per epoch, and rank r takes the
-r-th of its ``world_size`` equal parts, so averaging the ranks' gradients gives exactly the single process's gradient
-of that batch. The last incomplete global batch is dropped: every rank takes equal steps."""
+"""MNIST / Fashion-MNIST on disk and on the device. ``prepare`` runs once, in the launching process; workers read the
+IDX files with ``load_split``, which needs no network (importing torchvision would cost every worker seconds). A
+global batch is a slice of one seeded permutation per epoch and rank r takes the r-th of its ``world_size`` equal
+parts, so the mean of the ranks' gradients is the single process's of that batch. The last incomplete one is dropped."""
 
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ from mnist_dist.operations.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class and folder
-# The md5 of each decompressed file. torchvision knows only the md5s of the upstream .gz archives, and Debian's
-# .gz files are recompressed (other md5s, the same bytes inside). MNIST's are the ones published beside the
-# archives' md5s that torchvision checks; Fashion-MNIST's were computed from Debian's files.
+# The md5 of each decompressed file: torchvision knows only the upstream .gz archives', and Debian's .gz files are
+# recompressed (other md5s, the same bytes inside). Fashion-MNIST's were computed from Debian's files.
 _RAW_MD5 = {
     "mnist": {
         "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
@@ -43,7 +38,6 @@ _RAW_MD5 = {
         "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
     },
 }
-_FILES = tuple(_RAW_MD5["mnist"])
 
 
 def raw_dir(name: str, root: str | os.PathLike) -> Path:
@@ -54,59 +48,51 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
-    """Makes ``raw_dir(name, root)`` (torchvision's layout) hold the four decompressed IDX files; returns it.
-
-    Files already there are used as they are (torchvision's rule: a subset of your own goes there). Otherwise the
-    .gz files in that folder, then ``mirrors``, are tried in order: a URL through torchvision (md5 of the upstream
-    archive), a folder only if all four files are ``name``'s by md5. Launches sharing ``root`` wait on a lock.
-    DataError when none works, with nothing written."""
+    """Makes ``raw_dir(name, root)`` hold the four decompressed IDX files and returns it. Files already there are used
+    as they are (torchvision's rule); else the .gz files there, then ``mirrors``, are tried in order: a URL through
+    torchvision (the upstream archives' md5s), a folder only if all four files are ``name``'s by md5. Launches that
+    share ``root`` fetch once (a lock). DataError when none works, with nothing written."""
     raw = raw_dir(name, root)
-    if not _complete(raw):
-        sources = [str(raw)] * any(raw.glob("*.gz")) + list(mirrors)
-        if not sources:
-            raise _missing(name, raw, [])
+    if _complete(raw):
+        return raw
+    tried = []
+    if sources := [str(raw)] * any(raw.glob("*.gz")) + list(mirrors):
         raw.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(raw.parent / ".prepare.lock"):
-            if not _complete(raw):
-                _fetch(name, raw, sources)
-    return raw
+            if _complete(raw):  # another launch got them while this one waited
+                return raw
+            for source in sources:
+                try:
+                    _fetch(name, source, raw)
+                    log.info("%s: got the IDX files from %s", name, source)
+                    return raw
+                # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
+                # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+                except (OSError, RuntimeError, EOFError, zlib.error) as e:
+                    tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
+    raise DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
+        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
+        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
+        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
+    )
 
 
 def _complete(raw: Path) -> bool:
-    return all((raw / file).is_file() for file in _FILES)
+    return all((raw / file).is_file() for file in _RAW_MD5["mnist"])  # the same four names in both
 
 
-def _fetch(name: str, raw: Path, sources: Sequence[str]) -> None:
-    tried = []
-    for source in sources:
-        try:
-            if source.startswith(("http://", "https://")):
-                _download(name, raw.parent.parent, source)
-            else:
-                _copy(name, Path(source).expanduser(), raw)
-            log.info("%s: got the IDX files from %s", name, source)
-            return
-        # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
-        # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
-        except (OSError, RuntimeError, EOFError, zlib.error) as e:
-            tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
-    raise _missing(name, raw, tried)
+def _fetch(name: str, source: str, raw: Path) -> None:
+    """The four files of ``source`` into ``raw``: from a URL by torchvision's download, which checks the upstream
+    archives' md5s; from a folder (.gz or decompressed) once all four are ``name``'s by md5."""
+    if source.startswith(("http://", "https://")):
+        import torchvision.datasets  # in the parent only: it imports torch._dynamo, seconds of CPU
 
-
-def _download(name: str, root: Path, url: str) -> None:
-    """torchvision's download of the four archives from ``url``, each checked by its upstream md5."""
-    # Imported here, in the parent only: torchvision imports torch._dynamo, seconds of CPU.
-    import torchvision.datasets
-
-    cls = getattr(torchvision.datasets, _DATASETS[name])
-    # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
-    mirrored = type(cls.__name__, (cls,), {"mirrors": [url.rstrip("/") + "/"]})
-    mirrored(root, train=True, download=True)
-
-
-def _copy(name: str, folder: Path, raw: Path) -> None:
-    """The four files of ``folder`` (.gz or decompressed) into ``raw``, once all four are ``name``'s by md5."""
-    contents = {}
+        cls = getattr(torchvision.datasets, _DATASETS[name])
+        # A subclass of the same name keeps torchvision's folder; its mirrors are the one being tried.
+        mirrored = type(cls.__name__, (cls,), {"mirrors": [source.rstrip("/") + "/"]})
+        mirrored(raw.parent.parent, train=True, download=True)
+        return
+    folder, contents = Path(source).expanduser(), {}
     for file, md5_want in _RAW_MD5[name].items():
         gz = folder / f"{file}.gz"
         contents[file] = gzip.decompress(gz.read_bytes()) if gz.is_file() else (folder / file).read_bytes()
@@ -121,25 +107,12 @@ def _copy(name: str, folder: Path, raw: Path) -> None:
         files.write(raw / file, content)
 
 
-def _missing(name: str, raw: Path, tried: list[str]) -> DataError:
-    return DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
-        f"could not get the {name} files: tried {', '.join(tried) or 'nothing (no mirrors)'}. Put the four IDX "
-        f"files in {raw} or pass data.mirrors=[<dir or url>]; offline: apt-get install dataset-fashion-mnist, then "
-        "data=fashion_mnist 'data.mirrors=[/usr/share/datasets/fashion-mnist]'"
-    )
-
-
 def load_split(raw_dir: str | os.PathLike, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images uint8 [N, 28, 28] and labels int64 [N] of one split; no network, `prepare` checked the files."""
-    prefix = "train" if train else "t10k"
-    raw = Path(raw_dir)
-    images = _read_idx(raw / f"{prefix}-images-idx3-ubyte", header_len=16)
-    labels = _read_idx(raw / f"{prefix}-labels-idx1-ubyte", header_len=8)
+    """Images uint8 [N, 28, 28] and labels int64 [N] of one split, past their IDX headers; `prepare` checked them."""
+    prefix = Path(raw_dir) / ("train" if train else "t10k")
+    images = torch.frombuffer(bytearray(Path(f"{prefix}-images-idx3-ubyte").read_bytes()[16:]), dtype=torch.uint8)
+    labels = torch.frombuffer(bytearray(Path(f"{prefix}-labels-idx1-ubyte").read_bytes()[8:]), dtype=torch.uint8)
     return images.view(-1, 28, 28), labels.long()
-
-
-def _read_idx(path: Path, header_len: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray(path.read_bytes()[header_len:]), dtype=torch.uint8)
 
 
 def to_device_tensors(
@@ -153,8 +126,7 @@ def to_device_tensors(
 
 def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
     """ConfigError if the global batch is larger than the training set (zero steps, an untrained model saved)."""
-    with open(raw_dir / "train-images-idx3-ubyte", "rb") as f:
-        images = int.from_bytes(f.read(8)[4:], "big")  # the IDX header's count
+    images = (raw_dir / "train-labels-idx1-ubyte").stat().st_size - 8  # a byte per label after the IDX header
     if batch_size > images:
         raise ConfigError(
             f"batch_size={batch_size} is larger than the training set ({images} images): no step would "

@@ -149,7 +149,7 @@ def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_says_so(t
     # no batch_size=32: a resume takes the run's own settings, not the defaults
     launch(compose_config(tiny_root, "epochs=2", "resume=auto"), run_dir, ("epochs=2", "resume=auto"))
     (said,) = [line for line in caplog.messages if line.startswith("resume=auto")]
-    assert said.startswith("resume=auto: skipped checkpoint.pt (cannot read the checkpoint (")
+    assert said.startswith(f"resume=auto: skipped {run_dir}/checkpoint.pt: cannot read the checkpoint (")
     assert said.endswith(f"; resuming from {run_dir}/checkpoint.1.pt (step 10)")
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 40  # steps 11 to 40 were trained
     assert saved_step(run_dir / "checkpoint.pt") == 40 and saved_step(run_dir / "checkpoint.1.pt") == 30
@@ -163,13 +163,13 @@ def test_no_readable_checkpoint_is_refused_naming_each_and_writing_nothing(tiny_
     newest.write_bytes(newest.read_bytes()[:1000])
     (run_dir / "checkpoint.1.pt").write_bytes(b"not a checkpoint")
     before = contents(run_dir)
-    with pytest.raises(ConfigError, match=f"^resume={newest}: cannot read the checkpoint \\("):
+    with pytest.raises(ConfigError, match=f"^{newest}: cannot read the checkpoint \\("):
         launch(compose_config(tiny_root, *SHORT, "epochs=2", f"resume={run_dir}"), tmp_path / "new")
     with pytest.raises(ConfigError) as error:
         launch(compose_config(tiny_root, *SHORT, "epochs=2", "resume=auto"), run_dir)
     message = str(error.value)
-    assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: checkpoint.pt (")
-    assert "; checkpoint.1.pt (" in message and message.endswith("; move them away to start afresh")
+    assert message.startswith(f"resume=auto: no checkpoint in {run_dir} can be read: {newest}: cannot read the")
+    assert f"; {run_dir}/checkpoint.1.pt: " in message and message.endswith("; move them away to start afresh")
     assert "\n" not in message and contents(run_dir) == before and not (tmp_path / "new").exists()
 
 
@@ -197,7 +197,7 @@ def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_roo
     caplog.set_level(logging.INFO, logger="mnist_dist")
     compatibility.check_resumable(saved, cfg)
     assert [line for line in caplog.messages if line.startswith("resuming")] == [
-        "resuming with mode=ddp on 2 ranks a checkpoint written with mode=single on 1: the same global batches follow"
+        "resuming with mode=ddp on 2 ranks a checkpoint written with mode=single on 1"
     ]
 
 
@@ -212,24 +212,29 @@ def test_a_refused_resume_names_exactly_the_settings_that_differ(tiny_root, kept
         launch(compose_config(tiny_root, *overrides), tmp_path / "unused", overrides)
 
 
-def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line_and_keeps_the_run(
-    tiny_root, kept, tmp_path, cli_in_process
+@pytest.mark.parametrize(
+    "changed, said",
+    [
+        (("model=fastnet", "resume_allow_changes=true"), "RuntimeError: Error(s) in loading state_dict for FastNet"),
+        ((), "KeyError: 'meters'"),  # a checkpoint of another shape: there is no format number to compare (0.x)
+    ],
+    ids=["model", "shape"],
+)
+def test_a_checkpoint_that_does_not_fit_fails_in_one_line_and_keeps_the_run(
+    tiny_root, kept, tmp_path, cli_in_process, changed, said
 ):
     run_dir = shutil.copytree(kept, tmp_path / "run")
+    if not changed:
+        state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+        torch.save({key: value for key, value in state.items() if key != "meters"}, run_dir / "checkpoint.pt")
     saved = ("checkpoint.pt", "checkpoint.1.pt", "model.pt", "results.json", "config.yaml")
     before = {name: (run_dir / name).read_bytes() for name in saved}
-    overrides = ("epochs=2", f"resume={run_dir}", "model=fastnet", "resume_allow_changes=true")
-    code = cli_in_process(f"data.root={tiny_root}", *overrides, f"hydra.run.dir={tmp_path}/new")
-    assert code.startswith("error: RuntimeError: Error(s) in loading state_dict for FastNet") and "\n" not in code
+    code = cli_in_process(
+        f"data.root={tiny_root}", "epochs=2", f"resume={run_dir}", *changed, f"hydra.run.dir={tmp_path}/new"
+    )
+    assert code.startswith(f"error: {said}") and "\n" not in code
     assert {name: (run_dir / name).read_bytes() for name in saved} == before
     assert not (tmp_path / "new").exists()
-
-
-def test_a_checkpoint_of_another_format_is_refused_naming_it(kept, tmp_path):
-    state = torch.load(kept / "checkpoint.pt", weights_only=True)
-    torch.save({**state, "format": 4}, tmp_path / "checkpoint.pt")
-    with pytest.raises(ConfigError, match="checkpoint format 4, but this version of mnist_dist reads format"):
-        checkpoint.load(tmp_path / "checkpoint.pt")
 
 
 def test_an_interrupted_resume_names_the_resumed_runs_checkpoint(

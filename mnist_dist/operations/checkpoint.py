@@ -1,9 +1,7 @@
-"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and the files that hold it.
-
-Written whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite;
-read with ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through
-``torch.distributed.checkpoint.state_dict`` (parallel/state.py), keyed by the plain model's names in every mode.
-Whether a checkpoint may resume this command's config is compatibility.py's question."""
+"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one. Written whole or not at all, the
+previous one kept as ``checkpoint.1.pt``; never from weights that are not finite; read with
+``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through parallel/state.py,
+keyed by the plain model's names in every mode."""
 
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
 if TYPE_CHECKING:
     from mnist_dist.train import Run
 
-FORMAT = 6  # raised whenever what a checkpoint holds changes, its config's settings included
 NEWEST = "checkpoint.pt"
 
 log = logging.getLogger("mnist_dist")
@@ -60,46 +57,25 @@ def locate(resume: str) -> Path:
 
 
 def load(path: Path) -> dict:
-    """The checkpoint at ``path``, or a one-line ConfigError saying why not."""
+    """The checkpoint at ``path``, or a one-line ConfigError naming it and saying why not."""
     try:
-        return _read(path)
-    except ConfigError as why:
-        raise ConfigError(f"resume={path}: {why}") from None
-
-
-def _read(path: Path) -> dict:
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's message advises weights_only=False, i.e. running the file's code
-        raise ConfigError(
-            "it holds something other than tensors and plain values, which mnist_dist never loads (not a "
-            "mnist_dist checkpoint, or a crafted one)"
-        ) from None
+        raise ConfigError(f"{path}: it holds more than tensors and plain values: not a mnist_dist checkpoint") from None
     except Exception as error:  # truncated, unreadable: the same to the user
-        detail = str(error).splitlines()[0] if str(error) else "no detail"
-        raise ConfigError(f"cannot read the checkpoint ({type(error).__name__}: {detail})") from None
-    if not isinstance(saved, dict) or "step" not in saved:
-        raise ConfigError(f"not a mnist_dist checkpoint (final weights are in model.pt; resume from {NEWEST})")
-    if saved.get("format") != FORMAT:
-        raise ConfigError(
-            f"checkpoint format {saved.get('format')}, but this version of mnist_dist reads format {FORMAT} only; "
-            "resume it with the version that wrote it"
-        )
-    return saved
+        detail = (str(error) or "no detail").splitlines()[0]
+        raise ConfigError(f"{path}: cannot read the checkpoint ({type(error).__name__}: {detail})") from None
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, or else the previous one if it can be read (logged); None
-    when there is none, ConfigError when none can be read. Falls back rather than refuses because a torchrun
-    restart or a SLURM requeue runs the same command again."""
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged, since a
+    torchrun restart or a SLURM requeue runs the same command again); None when there is none."""
     skipped = []
-    for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
-        if not path.exists():
-            continue
+    for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
         try:
-            step = _read(path)["step"]
+            step = load(path)["step"]
         except ConfigError as why:
-            skipped.append(f"{path.name} ({why})")
+            skipped.append(str(why))
             continue
         if skipped:
             log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, step)
@@ -134,16 +110,22 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
     collective). Raises TrainingDiverged on a non-finite loss since the last check or non-finite weights (a
     step's update can diverge while its loss was finite)."""
-    learner, path = run.learner, run.run_dir / NEWEST
+    learner, meters, path = run.learner, run.meters, run.run_dir / NEWEST
     run.losses.check(run.step, run.topology.rank)
     # Collectives: fsdp gathers its shards; rank 0 keeps the full state.
     rng = rng_states_of_all_ranks()
-    meters = gather_objects(meters_of(run, mid_epoch=epoch_step > 0))
+    mine = {
+        "train_s": meters.train_time.read(),  # mid-epoch it is running
+        "eval_s": meters.eval_time.read(),
+        "images": meters.throughput.total_images,
+        "images_s": meters.throughput.total_seconds,
+        "window_losses": [loss.item() for loss in run.losses.window] if epoch_step else [],  # a split log window
+    }
+    meters_by_rank = gather_objects(mine)
     model_state = state.model_state(learner.model)
     optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
-        poisoned = first_non_finite(model_state)
-        if poisoned:
+        if poisoned := first_non_finite(model_state):
             raise TrainingDiverged(
                 f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
             )
@@ -156,52 +138,31 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "epoch_step": epoch_step,  # steps done in the next (0 at an epoch's end)
             "step": run.step,
             "rng": rng,  # by rank
-            "meters": meters,  # by rank
+            "meters": meters_by_rank,
             "world_size": run.topology.world_size,
             "config": run.config_yaml,
-            "format": FORMAT,
         }
         save(saved, path, keep_previous=True)
     run.losses.good_checkpoint = (path, run.step)
 
 
 def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run``; the
-    caller loaded the weights into the plain model before wrapping it."""
-    learner = run.learner
+    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run`` (the
+    weights went into the plain model before it was wrapped). Clocks go on from rank 0's; counts and a split log
+    window from the rank's own, on as many ranks as the checkpoint's only (elsewhere each rank's share differs)."""
+    learner, meters, by_rank = run.learner, run.meters, resumed["meters"]
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
     learner.precision.scaler.load_state_dict(resumed["scaler"])  # fp16: the loss scale it had reached
     run.step = resumed["step"]
     restore_rng(resumed["rng"], run.topology.rank)
-    restore_meters(run, resumed["meters"])
+    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
+    if len(by_rank) == run.topology.world_size:
+        mine = by_rank[run.topology.rank]
+        meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
+        run.losses.window = [torch.tensor(loss, device=run.train_set[0].device) for loss in mine["window_losses"]]
     run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, resumed["epoch"] + 1, run.step)
-
-
-def meters_of(run: Run, mid_epoch: bool) -> dict:
-    """This rank's clocks, images and seconds, and mid-epoch the split log window's losses, for a resume."""
-    meters = run.meters
-    return {
-        "train_s": meters.train_time.read(),  # mid-epoch it is running
-        "eval_s": meters.eval_time.read(),
-        "images": meters.throughput.total_images,
-        "images_s": meters.throughput.total_seconds,
-        "window_losses": [loss.item() for loss in run.losses.window] if mid_epoch else [],
-    }
-
-
-def restore_meters(run: Run, by_rank: list[dict]) -> None:
-    """Clocks go on from rank 0's; each rank's counts and split log window from its own, only on as many ranks as
-    the checkpoint's (on another number each rank's share differs, so they start anew)."""
-    meters = run.meters
-    meters.train_time.seconds, meters.eval_time.seconds = by_rank[0]["train_s"], by_rank[0]["eval_s"]
-    if len(by_rank) != run.topology.world_size:
-        return
-    mine = by_rank[run.topology.rank]
-    meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
-    device = run.train_set[0].device
-    run.losses.window = [torch.tensor(loss, device=device) for loss in mine["window_losses"]]
 
 
 def gather_objects(mine: Any) -> list:
@@ -222,10 +183,8 @@ def rng_states_of_all_ranks() -> list[dict]:
 
 def restore_rng(states: list[dict], rank: int) -> None:
     """This rank's generators as ``states[rank]`` left them (resumed on more ranks: the new ones keep their seed)."""
-    if rank >= len(states):
-        return
-    mine = states[rank]
-    random.setstate(mine["python"])
-    torch.set_rng_state(mine["torch"])
-    if mine["cuda"] is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state_all(mine["cuda"][: torch.cuda.device_count()])
+    if rank < len(states):
+        random.setstate(states[rank]["python"])
+        torch.set_rng_state(states[rank]["torch"])
+        if states[rank]["cuda"] is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])

@@ -1,6 +1,5 @@
-"""What machine a number came from: the CPU and its bf16 flags, cores and threads, torch, GPUs. Throughput depends on
-the machine more than on anything in this repository (bf16 autocast pays off on a CPU only with the flags below), so
-every results.json, bench.json and compare.json records ``describe()`` and every table prints ``summary_line()``."""
+"""What machine a number came from: throughput depends on it more than on anything in this repository, so every
+results.json, bench.json and compare.json records ``describe()`` and every table prints ``summary_line()``."""
 
 from __future__ import annotations
 
@@ -10,33 +9,25 @@ from pathlib import Path
 
 import torch
 
-# The CPU flags that decide whether bf16 autocast can pay off on a CPU: AVX-512 BF16 instructions,
-# and AMX tiles (Sapphire Rapids and later) with their bf16 matrix multiply.
+# bf16 autocast pays off on a CPU only with these: AVX-512 BF16, or AMX tiles and their bf16 matrix multiply.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def native_bf16(cpu_flags: list[str]) -> bool:
-    """Whether a CPU with these flags computes bf16 in hardware; without avx512_bf16 or amx_bf16 torch
-    emulates it, several times slower than fp32."""
+    """Whether a CPU with these flags computes bf16 in hardware (else torch emulates it, slower than fp32)."""
     return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags
-
-
-def _cpuinfo(text: str) -> tuple[str, set[str]]:
-    """(model name, flags) of the first processor in the text of /proc/cpuinfo."""
-    fields = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields.get("model name", ""), set(fields.get("flags", "").split())
 
 
 def describe() -> dict:
     """This machine, as plain JSON-ready fields."""
     cpuinfo = Path("/proc/cpuinfo")
-    model, flags = _cpuinfo(cpuinfo.read_text() if cpuinfo.is_file() else "")  # not Linux: platform's name
+    fields = {}  # the first processor's
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
     info = {
-        "cpu": model or platform.processor() or platform.machine(),
-        "cpu_flags": [flag for flag in BF16_FLAGS if flag in flags],  # empty: none of them
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "cpu_flags": [flag for flag in BF16_FLAGS if flag in fields.get("flags", "").split()],
         # The vector kernels torch picked (AVX2, AVX512, ...): they set how sums round, so a
         # deterministic run repeats bit for bit only on machines where this is the same.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -52,23 +43,21 @@ def describe() -> dict:
 
 
 def summary_line(info: dict) -> str:
-    """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx), 2 cores, ...``."""
+    """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx...), 2 cores, ...``."""
     flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
     line = (
         f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
         f"{info['torch_threads']} torch threads, torch {info['torch']}"
     )
-    if info.get("gpu"):
-        line += f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']})"
-    return line
+    return line + (f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']})" if info.get("gpu") else "")
 
 
 def load_warning(load_average: float, cores: int | None = None) -> str | None:
     """One line when more work than ``cores`` (this machine's) competed while speeds were measured, else None."""
     cores = cores or os.cpu_count() or 1
-    if load_average <= cores:
-        return None
-    return (
-        f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
-        "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
-    )
+    if load_average > cores:
+        return (
+            f"warning: the load average reached {load_average:.1f} on {cores} cores (these runs' own threads count "
+            "too): more work than cores competed, so images/s is unreliable (loss and accuracy are not affected)"
+        )
+    return None

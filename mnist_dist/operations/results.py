@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -46,9 +44,8 @@ def finish(run: Run, wall_time_s: float) -> dict:
             all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
         ),
         "wall_time_s": wall_time_s,
-        "peak_rss_mib": per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # Linux: KiB
-        # Parameters, gradients and optimizer state held after a step, from their storage: shards in fsdp.
-        "model_state_mib": per_rank(meters.state_bytes / 2**20),
+        # Parameters, gradients and optimizer state each rank held after a step, from their storage: shards in fsdp.
+        "model_state_mib": [mib for (mib,) in all_gather([meters.state_bytes / 2**20])],
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
     saved_model = model_state(run.learner.model)  # a collective in fsdp
@@ -70,21 +67,7 @@ def finish(run: Run, wall_time_s: float) -> dict:
     return results
 
 
-def per_rank(value: float) -> list[float]:
-    """Every rank's ``value``, by rank (a collective: all ranks call)."""
-    return [value for (value,) in all_gather([value])]
-
-
 def save_json(obj: dict, path: Path) -> None:
     """Strict JSON, atomically: a nan or inf is written as null (a bare NaN is refused by strict parsers)."""
-    files.write_text(path, json.dumps(_finite_or_none(obj), indent=2, allow_nan=False) + "\n")
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
+    plain = json.loads(json.dumps(obj), parse_constant=lambda nan_or_inf: None)
+    files.write_text(path, json.dumps(plain, indent=2, allow_nan=False) + "\n")

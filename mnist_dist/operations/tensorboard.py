@@ -1,9 +1,5 @@
-"""The run's TensorBoard directory: written by rank 0 alone, read by the tools and the tests.
-
-One TensorBoard run per training run, ``<run>/tb``: every log window the ranks gather their numbers to
-rank 0 (one collective), so a sweep lists one run per mode, a resume continues one event stream, and a
-node without a shared disk has nothing of TensorBoard to lose. Tag names are stable, so runs of every
-mode overlay; every tag, and what it means: docs/running.md#tensorboard."""
+"""One TensorBoard run per training run, ``<run>/tb``, written by rank 0 alone (the ranks gather their numbers to it),
+so a sweep lists one run per mode and a resume continues one event stream. Every tag: docs/running.md#tensorboard."""
 
 from __future__ import annotations
 
@@ -14,8 +10,8 @@ from torch.utils.tensorboard.summary import hparams
 
 from mnist_dist.metrics import job_images_per_s
 
-# CUSTOM SCALARS: {section: {chart title: ["Multiline", [tag regex]]}}. The first section reads the global
-# tags, one line per run, i.e. per mode in a sweep; the per-rank charts one line per rank and run.
+# CUSTOM SCALARS: {section: {chart title: ["Multiline", [tag regex]]}}: the global tags one line per run (per
+# mode in a sweep), the per-rank ones one line per rank and run.
 LAYOUT = {
     "compare runs (global numbers)": {
         "training loss, mean over ranks": ["Multiline", [r"^train/loss_global$"]],
@@ -39,8 +35,7 @@ def tb_dir(run_dir: Path) -> Path:
 
 
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged: the
-    one reader of the tags above (compare, bench and the tests read runs through it)."""
+    """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
@@ -57,32 +52,26 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
         if seconds:
             tags[f"rank_{rank}/perf/images_per_s"] = images / seconds
     tags["train/loss_global"] = sum(row[0] for row in gathered) / len(gathered)
-    rate = job_images_per_s([(row[1], row[2]) for row in gathered])
-    if rate:
+    if rate := job_images_per_s([(row[1], row[2]) for row in gathered]):
         tags["perf/images_per_s_global"] = rate
     return tags
 
 
 class Scalars:
     """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
-    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (the
-    checkpoint's step; for a fresh run, anything) is purged (``purge_step``): one run, not two merged."""
+    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (for a
+    fresh run, anything) is purged: one run, not two merged."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
-        self.directory = tb_dir(run_dir)
-        self.rank = rank
+        self.directory, self.rank = tb_dir(run_dir), rank
         self.purge_step = 0 if resumed_step is None else resumed_step + 1
-        self._writer: SummaryWriter | None = None
-
-    @property
-    def writer(self) -> SummaryWriter | None:
-        if self.rank == 0 and self._writer is None:
-            self._writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
-            self._writer.add_custom_scalars(LAYOUT)
-        return self._writer
+        self.writer: SummaryWriter | None = None
 
     def add(self, step: int, **tags: float) -> None:
         """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
+        if self.rank == 0 and self.writer is None:
+            self.writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
+            self.writer.add_custom_scalars(LAYOUT)
         if self.writer is not None:
             for tag, value in tags.items():
                 self.writer.add_scalar(tag, value, step)
@@ -95,6 +84,5 @@ class Scalars:
                 self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            writer.close()
+        if self.writer is not None:
+            self.writer.close()
