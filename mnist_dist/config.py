@@ -34,7 +34,7 @@ class DataConfig:
     # holds <root>/MNIST/raw, <root>/FashionMNIST/raw (torchvision layout); outside the run directory so
     # that every run, and every clone, shares one copy
     root: str = "${oc.env:MNIST_DIST_DATA,'~/.cache/mnist_dist'}"
-    mirrors: list[str] = field(default_factory=list)  # URLs, file:// URLs or directories, tried in order
+    mirrors: list[str] = field(default_factory=list)  # http(s) URLs or directories, tried in order
     mean: float = MISSING  # per-pixel normalisation of the training set
     std: float = MISSING
 
