@@ -29,7 +29,7 @@ def test_nccl_row_fails_without_device_id(monkeypatch, tmp_path, device_id):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
-    def nccl(backend, store=None, rank=0, world_size=1, timeout=None, device_id=None):
+    def nccl(backend, init_method=None, store=None, rank=0, world_size=1, timeout=None, device_id=None):
         init("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=world_size)
         if device_id is not None:
             torch.distributed.group.WORLD.bound_device_id = torch.device("cpu", 0)
