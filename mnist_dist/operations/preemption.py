@@ -17,13 +17,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mnist_dist.operations.errors import stop_now
+from mnist_dist.operations.errors import received
 
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
 _BEFORE_TRAINING = "stopped by {} before the first step: nothing new to save"
-_received: list[str] = []
-_last: list[str] = []  # the signal that stopped the last run, once its handlers are put back
+_received: list[str] = []  # this run's signals, by name
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
 _votes: list = []  # the last step's vote: (its all-reduce, its tensor)
 _group: list = []  # the process group the votes go through (gloo: no device sync for one number)
@@ -34,12 +33,6 @@ class Stopped(KeyboardInterrupt):  # noqa: N818 (a Ctrl-C, answered: whoever han
     """A signal asked this run to stop; the checkpoint is written. The message says where it is."""
 
 
-def received() -> int | None:
-    """The signal that the last run in this process got, if any (one after its last step stopped nothing); read
-    once, so that a later run (a sweep's) does not report it again."""
-    return signal.Signals[_last.pop()] if _last else None
-
-
 @contextmanager
 def installed(timeout_s: float) -> Iterator[None]:
     """Within it these signals stop the run: at once before the first step, else after a vote that waits at
@@ -47,9 +40,10 @@ def installed(timeout_s: float) -> Iterator[None]:
     runs several jobs in one process."""
 
     def on_signal(signum: int, frame) -> None:
-        if signum == signal.SIGINT and signal.Signals.SIGINT.name in _received:
-            stop_now(signum)  # Ctrl-C again: at once
+        if signum == signal.SIGINT and "SIGINT" in _received:
+            before[signum](signum, frame)  # Ctrl-C again: the command's own handler, at once
         _received.append(signal.Signals(signum).name)
+        received.append(signum)  # the command's exit status
         if not _training:
             raise Stopped(_BEFORE_TRAINING.format(_received[0]))
 
@@ -63,7 +57,6 @@ def installed(timeout_s: float) -> Iterator[None]:
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-        _last[:] = _received[:1]
         for state in (_received, _training, _votes, _group):
             state.clear()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +26,17 @@ class NoteExisting(Callback):
     """Registered in conf/config.yaml: before Hydra creates the run or sweep directory, notes whether it exists."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        _note(Path(config.hydra.run.dir))
+        _note(config.hydra.run.dir)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        sweeps.append(Path(config.hydra.sweep.dir))
-        _note(sweeps[-1])
+        sweeps.append(_note(config.hydra.sweep.dir))
 
 
-def _note(directory: Path) -> None:
-    if directory.exists():
-        _existing.add(directory.resolve())
+def _note(directory: str) -> Path:
+    path = Path(directory).resolve()
+    if path.exists():
+        _existing.add(path)
+    return path
 
 
 def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
@@ -45,18 +46,16 @@ def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
 
 def remove(directory: Path) -> None:
     """``directory``, and the parents Hydra made for it alone under the working directory (outputs/<date>/)."""
-    directory = directory.resolve()
     shutil.rmtree(directory, ignore_errors=True)
-    for parent in directory.parents:
-        if not parent.is_relative_to(Path.cwd()) or parent == Path.cwd() or any(parent.iterdir()):
-            break
-        parent.rmdir()
+    with suppress(ValueError, OSError):  # elsewhere; a parent that is not empty (or a mount point) stays
+        os.removedirs(directory.resolve().parent.relative_to(Path.cwd()))
 
 
 @contextmanager
-def owned(run_dir: Path) -> Iterator[None]:
-    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. The kernel
-    releases the lock when its holder dies, however it dies."""
+def owned(run_dir: Path) -> Iterator[bool]:
+    """Holds ``run_dir``'s lock while the body runs, which gets whether this launch's Hydra made ``run_dir`` (read
+    under the lock: another launch may have); a ConfigError if a live run holds it. The kernel releases the lock
+    when its holder dies, however it dies."""
     lock = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False)
     try:
         lock.acquire()
@@ -65,7 +64,7 @@ def owned(run_dir: Path) -> Iterator[None]:
             f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
         ) from None
     try:
-        yield
+        yield made_for(run_dir)
     finally:
         lock.release()
 
