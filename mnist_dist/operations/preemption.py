@@ -1,11 +1,7 @@
-"""Stopping at the next step boundary with a checkpoint: on Ctrl-C, on SIGTERM (a scheduler's, or the launcher
-passing a Ctrl-C on to its ranks) and on SIGUSR1 (SLURM's warning before the time limit).
-
-Before the first step there is nothing new to save: the run stops at once (once back in Python: a rendezvous
-waits in torch's C++ until its peers come or ``dist.timeout_s`` passes). From then on each rank votes after every
-step on whether any rank got a signal (so every rank stops after the same step, even if the signal reached only
-some); a vote is read one step later, so no step waits for it. A second Ctrl-C stops at once. Under srun the
-job then exits ``REQUEUE``; otherwise it prints the command that resumes."""
+"""Stopping at a step boundary with a checkpoint, on Ctrl-C, SIGTERM (a scheduler's, or the launcher passing a Ctrl-C
+on to its ranks) and SIGUSR1 (SLURM's warning). Before the first step the run stops at once: nothing new to save.
+After it each rank votes after every step on whether any rank got one, so that every rank stops after the same
+step; a vote is read a step later, so that no step waits for it. A second Ctrl-C stops at once."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from mnist_dist.operations.errors import received
 
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
-_BEFORE_TRAINING = "stopped by {} before the first step: nothing new to save"
 _received: list[str] = []  # this run's signals, by name
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
 _votes: list = []  # the last step's vote: (its all-reduce, its tensor)
@@ -45,7 +40,7 @@ def installed(timeout_s: float) -> Iterator[None]:
         _received.append(signal.Signals(signum).name)
         received.append(signum)  # the command's exit status
         if not _training:
-            raise Stopped(_BEFORE_TRAINING.format(_received[0]))
+            raise Stopped(f"stopped by {_received[0]} before the first step: nothing new to save")
 
     _timeout[:] = [timedelta(seconds=timeout_s)]
     before = {signum: signal.getsignal(signum) for signum in _SIGNALS}

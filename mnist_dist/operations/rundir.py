@@ -73,15 +73,12 @@ def refuse_another_run(run_dir: Path) -> None:
     """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
     checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
     held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if (run_dir / name).is_file()]
-    if "checkpoint.pt" in held and "results.json" not in held:
-        raise ConfigError(
-            f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "
-            "to go on from it, or another hydra.run.dir"
-        )
     if held:
+        unfinished = "checkpoint.pt" in held and "results.json" not in held
+        what, go_on = ("an unfinished", "resume=auto to go on from it, or ") if unfinished else ("a finished", "")
         raise ConfigError(
-            f"{run_dir} holds a finished run ({', '.join(held)}), which a fresh run would replace; pass another "
-            "hydra.run.dir"
+            f"{run_dir} holds {what} run ({', '.join(held)}), which a fresh run would replace; pass "
+            f"{go_on}another hydra.run.dir"
         )
 
 
