@@ -30,10 +30,9 @@ from mnist_dist.step import TrainingDiverged
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    """The command: Hydra composes the config from ``sys.argv`` and runs the job in its directory."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     started, where = time.time(), run_dir  # where: the directory the run writes, a resumed run's own
-    fresh = keep = False  # for _tidy
+    fresh = stopped = False
     try:
         on_interrupt()  # Hydra is done composing: from now on `finally` clauses stop the workers
         with ExitStack() as held:
@@ -46,22 +45,24 @@ def main(cfg: DictConfig) -> None:
                 if where.resolve() != run_dir.resolve():
                     held.enter_context(rundir.owned(where))
             launch(config, run_dir, HydraConfig.get().overrides.task)
-        keep = True
         on_interrupt(exit_with=_interrupted(where, started))  # a Ctrl-C as it exits: at once, one line
     except (WorkerFailed, ConfigError, DataError, TrainingDiverged) as error:  # one line: what is wrong, what to do
-        keep = isinstance(error, WorkerFailed)  # its line names the failed rank's log: the traceback
         sys.exit(f"error: {error}")
     except OSError as error:  # disk full, a path that cannot be written, ...
         sys.exit(f"error: {describe(error)}")
     except KeyboardInterrupt as stop:  # Ctrl-C, or a signal answered with a checkpoint (preemption.Stopped)
+        stopped = True
         if isinstance(stop, preemption.Stopped) and launcher() == "srun":  # the requeued job goes on (resume=auto)
             interrupted(str(stop), status=preemption.REQUEUE)
         interrupted(_interrupted(where, started))
     except Exception as error:  # a bug or something unforeseen: still one line, the traceback in the log
-        keep = True
         sys.exit(last_resort(error, where / f"rank_{launched_rank()}.log"))
     finally:
-        _tidy(run_dir, fresh, keep)
+        # Hydra's new directory goes if no run is in it (bad input, a resume that went on in its old one) or if the
+        # run stopped before its first checkpoint: nothing to resume. A failed run keeps it: its logs say why.
+        nothing = stopped and not ((run_dir / "checkpoint.pt").exists() or launcher())
+        if fresh and run_dir.is_dir() and (rundir.made_for(run_dir) or nothing):
+            rundir.remove(run_dir)
 
 
 def _interrupted(where: Path, started: float) -> str:
@@ -76,15 +77,6 @@ def _interrupted(where: Path, started: float) -> str:
         again = shlex.join([sys.executable, "-m", "mnist_dist", f"resume={where}"])
         return f"interrupted; the last complete checkpoint is {where / 'checkpoint.pt'}; go on with: {again}"
     return "interrupted before the first checkpoint; nothing was saved"
-
-
-def _tidy(run_dir: Path, fresh: bool, keep: bool) -> None:
-    """Removes the directory this launch's Hydra made (``fresh``) if no run is in it (bad input, or a resume that
-    went on in its old one), or one that stopped before its first checkpoint: nothing to resume, and no run for
-    TensorBoard to list. ``keep``: the run finished, or its error line names a rank's log."""
-    stays = keep or (run_dir / "checkpoint.pt").exists() or launcher()  # a resume or restart goes on there
-    if fresh and run_dir.is_dir() and (rundir.made_for(run_dir) or not stays):
-        rundir.remove(run_dir)
 
 
 if __name__ == "__main__":
