@@ -61,13 +61,12 @@ def main(cfg: DictConfig) -> None:
         # Hydra's new directory goes if no run is in it (bad input, a resume that went on in its old one) or if the
         # run stopped before its first checkpoint: nothing to resume. A failed run keeps it: its logs say why.
         nothing = stopped and not ((run_dir / "checkpoint.pt").exists() or launcher())
-        if fresh and run_dir.is_dir() and (rundir.made_for(run_dir) or nothing):
+        if fresh and (rundir.made_for(run_dir) or nothing):
             rundir.remove(run_dir)
 
 
 def _interrupted(where: Path, started: float) -> str:
-    """That the run finished, if it did (since ``started``), else the checkpoint that resume would go on from,
-    if there is one (a resumed run's, when resuming)."""
+    """That the run finished (since ``started``), else the checkpoint that resume would go on from, if any."""
     if launched_rank():
         return f"rank {launched_rank()} interrupted"  # rank 0 says where the run stands
     results = where / "results.json"  # written last, after model.pt; an older one is an earlier run's
@@ -92,7 +91,7 @@ if __name__ == "__main__":
             interrupted("interrupted; every run that printed its run directory is complete")
         except HydraException as error:  # a sweep's typo is found as its first job is composed
             for sweep in rundir.sweeps:
-                if sweep.is_dir() and rundir.made_for(sweep, {"multirun.yaml"}):
+                if rundir.made_for(sweep, {"multirun.yaml"}):
                     rundir.remove(sweep)
             sys.exit(f"error: {describe_hydra_error(error)}")
         except Exception as error:  # Hydra could not create the run directory, ...: no log to name yet

@@ -35,8 +35,7 @@ def describe(error: BaseException) -> str:
 
 
 def last_resort(error: BaseException, log: Path) -> str:
-    """The one line for an error nobody handled, naming ``log``, where its traceback goes unless a worker logged
-    it there already."""
+    """The one line for an error nobody handled, naming ``log``: its traceback goes there unless a worker's did."""
     with suppress(OSError):  # the log cannot be written either (a full disk?): the line is said all the same
         if not (log.is_file() and describe(error) in log.read_text(errors="replace")):
             with open(log, "a") as handle:
@@ -49,7 +48,6 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     neither tracebacks (the launcher prints one ``error:`` line instead) nor ``FILE_ONLY`` records."""
     log = logging.getLogger("mnist_dist")
     log.setLevel(logging.INFO)
-    log.handlers.clear()
     log.propagate = False
     handlers = [logging.FileHandler(run_dir / f"rank_{rank}.log")]
     if rank == 0:
@@ -58,7 +56,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         handlers.append(console)
     for handler in handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
-        log.addHandler(handler)
+    log.handlers[:] = handlers
     # A library thread that dies (TensorBoard's writer on a full disk) says its error again to its caller, which
     # ends in one line: its traceback goes to the log file only.
     threading.excepthook = lambda hook: log.error(
@@ -75,11 +73,10 @@ received: list[int] = []  # the signals that interrupted the command: the last o
 
 
 def on_interrupt(exit_with: str | None = None) -> None:
-    """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 (unless ignored: SIGINT under ``&``, SIGHUP under nohup)
-    raises KeyboardInterrupt, so that ``finally`` clauses run (they stop the workers), and another one ends the
-    process at once; or, given ``exit_with``, ends it at once, with that as its one line and the shell's status for
-    the signal (130 for Ctrl-C). Exiting is what works while torch and Hydra are imported: a KeyboardInterrupt there
-    is a traceback from deep inside the import machinery, or even lost (C code that clears the error)."""
+    """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 (unless ignored: under ``&`` or nohup) raises KeyboardInterrupt,
+    so that ``finally`` clauses stop the workers, and another one ends the process at once; given ``exit_with``,
+    the first one does, with that line and the shell's status for the signal (130 for Ctrl-C): while torch and Hydra
+    are imported, a KeyboardInterrupt is a traceback from inside the import machinery, or even lost."""
 
     def handler(signum: int, frame) -> None:
         received.append(signum)
@@ -97,9 +94,8 @@ def on_interrupt(exit_with: str | None = None) -> None:
 
 
 def interrupted(message: str, status: int | None = None) -> NoReturn:
-    """Ends an interrupted command: ``message`` as its one line, and ``status``, by default the one a shell gives
-    a process that a signal ended (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), so that a script tells an
-    interrupt from a failure (1)."""
+    """Ends an interrupted command: ``message`` as its one line, and ``status``, by default 128 + the signal's
+    number as a shell gives it (130 for Ctrl-C, 143 for SIGTERM), so that a script tells it from a failure (1)."""
     on_interrupt(AGAIN)  # not the same line twice, as a finished run exits
     sys.stderr.write(f"{message}\n")
     sys.exit(status or 128 + (received[-1] if received else signal.SIGINT))
@@ -110,9 +106,8 @@ _status: list[int] = []  # the command's exit status, once it has one: the proce
 
 @contextmanager
 def command() -> Iterator[None]:
-    """Around a command's body: once it has its exit status, the process ends as soon as the other atexit
-    handlers ran, without the interpreter's teardown: it takes seconds (torch's objects) with Ctrl-C back at
-    Python's default, where a Ctrl-C would end the command silently, killed by the signal."""
+    """Around a command's body: once it has its exit status, the process ends after the other atexit handlers,
+    skipping the interpreter's teardown: a second or more (torch), with Ctrl-C back at its default (a silent death)."""
     try:
         yield
     except SystemExit as stop:  # a str is printed by Python before the atexit handlers run: status 1

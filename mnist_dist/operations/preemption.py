@@ -19,7 +19,7 @@ REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same 
 _SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
 _received: list[str] = []  # this run's signals, by name
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
-_votes: list = []  # the last step's vote: (its all-reduce, its tensor)
+_votes: list = []  # the votes not yet read: (its all-reduce, its tensor)
 _group: list = []  # the process group the votes go through (gloo: no device sync for one number)
 _timeout: list[timedelta] = []  # how long a vote waits for a stuck rank
 
@@ -30,9 +30,8 @@ class Stopped(KeyboardInterrupt):  # noqa: N818 (a Ctrl-C, answered: whoever han
 
 @contextmanager
 def installed(timeout_s: float) -> Iterator[None]:
-    """Within it these signals stop the run: at once before the first step, else after a vote that waits at
-    most ``timeout_s`` (dist.timeout_s). The handlers and this module's state are put back afterwards: a sweep
-    runs several jobs in one process."""
+    """Within it these signals stop the run, a vote waiting at most ``timeout_s`` for a stuck rank. The handlers and
+    this module's state are put back afterwards: a sweep runs several jobs in one process."""
 
     def on_signal(signum: int, frame) -> None:
         if signum == signal.SIGINT and "SIGINT" in _received:
@@ -62,15 +61,12 @@ def requested(step: int) -> str | None:
     _training[:] = [True]
     if not dist.is_initialized():
         return _received[0] if _received else None
-    if not _group:
-        # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
-        gloo = dist.get_backend() == "gloo"
-        _group.append(None if gloo else dist.new_group(backend="gloo", timeout=_timeout[0]))
+    if not _group:  # one number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU
+        _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout[0]))
     vote = torch.tensor([float(bool(_received))])
-    work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
-    previous, _votes[:] = _votes[:], [(work, vote)]
-    if not previous:
+    _votes.append((dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True), vote))
+    if len(_votes) == 1:
         return None
-    ((work, tally),) = previous
+    work, tally = _votes.pop(0)
     work.wait()
     return (_received or ["a signal to another rank"])[0] if tally.item() else None

@@ -41,7 +41,8 @@ def _note(directory: str) -> Path:
 
 def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
     """Whether this launch's Hydra created ``directory``: it then holds nothing but Hydra's ``hydra_own``."""
-    return directory.resolve() not in _existing and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
+    made = directory.is_dir() and directory.resolve() not in _existing
+    return made and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
 
 
 def remove(directory: Path) -> None:
@@ -53,20 +54,16 @@ def remove(directory: Path) -> None:
 
 @contextmanager
 def owned(run_dir: Path) -> Iterator[bool]:
-    """Holds ``run_dir``'s lock while the body runs, which gets whether this launch's Hydra made ``run_dir`` (read
-    under the lock: another launch may have); a ConfigError if a live run holds it. The kernel releases the lock
-    when its holder dies, however it dies."""
-    lock = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False)
+    """Holds ``run_dir``'s lock (the kernel's: released when its holder dies, however it dies) while the body runs,
+    which gets whether this launch's Hydra made ``run_dir``; a ConfigError if a live run holds it."""
     try:
-        lock.acquire()
+        held = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False).acquire()
     except Timeout:
         raise ConfigError(
             f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
         ) from None
-    try:
-        yield made_for(run_dir)
-    finally:
-        lock.release()
+    with held:
+        yield made_for(run_dir)  # read under the lock: another launch may have made it
 
 
 def refuse_another_run(run_dir: Path) -> None:
@@ -83,9 +80,8 @@ def refuse_another_run(run_dir: Path) -> None:
 
 
 def on_this_node(run_dir: Path) -> Path:
-    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls), so
-    that each node needs only its own disk. One under rank 0's working directory (the default ``outputs/...``)
-    lands at the same place under this node's; any other at the same absolute path."""
+    """Under torchrun (a collective): rank 0's run directory, created on this node too, so that each node needs only
+    its own disk: under this node's working directory where rank 0's lies under rank 0's, else at the same path."""
     shared = [str(run_dir), os.getcwd()]
     dist.broadcast_object_list(shared, src=0)
     path, rank0_cwd = Path(shared[0]), Path(shared[1])
