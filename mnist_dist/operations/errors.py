@@ -74,9 +74,8 @@ received: list[int] = []  # the signals that interrupted the command: the last o
 
 def on_interrupt(exit_with: str | None = None) -> None:
     """From now on Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 (unless ignored: under ``&`` or nohup) raises KeyboardInterrupt,
-    so that ``finally`` clauses stop the workers, and another one ends the process at once; given ``exit_with``,
-    the first one does, with that line and the shell's status for the signal (130 for Ctrl-C): while torch and Hydra
-    are imported, a KeyboardInterrupt is a traceback from inside the import machinery, or even lost."""
+    so that ``finally`` clauses stop the workers, and another one ends the process at once; given ``exit_with``, the
+    first one does, with that line and 128 + its number (while torch loads, a KeyboardInterrupt is lost or a trace)."""
 
     def handler(signum: int, frame) -> None:
         received.append(signum)
@@ -118,9 +117,7 @@ def command() -> Iterator[None]:
 
 @atexit.register  # before torch is imported, so after the handlers it registers (atexit runs the last first)
 def _end_now() -> None:
-    if _status:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can be said
-                stream.flush()
+    if _status:  # log handlers flush every record, and stderr every line
+        with suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            sys.stdout.flush()
         os._exit(_status[0])
