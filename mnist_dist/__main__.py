@@ -90,7 +90,7 @@ if __name__ == "__main__":
         except KeyboardInterrupt:  # between a sweep's runs, or as one ends
             interrupted("interrupted; every run that printed its run directory is complete")
         except HydraException as error:  # a sweep's typo is found as its first job is composed
-            for sweep in rundir.sweeps:
+            for sweep in rundir.noted:
                 if rundir.made_for(sweep, {"multirun.yaml"}):
                     rundir.remove(sweep)
             sys.exit(f"error: {describe_hydra_error(error)}")

@@ -18,30 +18,25 @@ from mnist_dist.config import ConfigError
 
 LOCK = ".run.lock"  # in the run directory, held for the lifetime of the run that writes there
 HYDRA_OWN = {".hydra", "mnist_dist.log"}  # what Hydra writes into a run directory as the job starts (conf/config.yaml)
-_existing: set[Path] = set()  # run and sweep directories there before Hydra made them: the user's, never removed
-sweeps: list[Path] = []  # the sweep directory of a -m launch
+noted: dict[Path, bool] = {}  # run and sweep directories Hydra was to make: whether they were there (never removed)
 
 
 class NoteExisting(Callback):
     """Registered in conf/config.yaml: before Hydra creates the run or sweep directory, notes whether it exists."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        _note(config.hydra.run.dir)
+        self.note(config.hydra.run.dir)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        sweeps.append(_note(config.hydra.sweep.dir))
+        self.note(config.hydra.sweep.dir)
 
-
-def _note(directory: str) -> Path:
-    path = Path(directory).resolve()
-    if path.exists():
-        _existing.add(path)
-    return path
+    def note(self, directory: str) -> None:
+        noted[Path(directory).resolve()] = Path(directory).exists()
 
 
 def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
     """Whether this launch's Hydra created ``directory``: it then holds nothing but Hydra's ``hydra_own``."""
-    made = directory.is_dir() and directory.resolve() not in _existing
+    made = directory.is_dir() and not noted.get(directory.resolve())
     return made and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
 
 
