@@ -3,32 +3,11 @@ test_late_interrupts; a log line in a pipe, a ddp run's from the command line: t
 results, and the machine every performance number names."""
 
 import json
-import logging
 import os
 
 from mnist_dist.launch import launch
 from mnist_dist.operations import machine
-from mnist_dist.operations.console import Progress, summary_line
-
-
-def test_without_a_terminal_a_line_comes_with_the_first_numbers_then_every_interval(caplog):
-    now = [100.0]
-    log = logging.getLogger("test_progress")
-    progress = Progress(20, enabled=True, log=log, interval_s=30, clock=lambda: now[0])
-    progress.set_epoch(1, 2)
-    with caplog.at_level(logging.INFO, logger="test_progress"):
-        for step in range(1, 11):
-            now[0] += 10  # 10 s per step
-            if step == 2:
-                progress.numbers(0.5, None)  # still warming up: no images/s yet
-            if step == 5:
-                progress.numbers(0.5, 640.0)
-            progress.step()
-    assert caplog.messages == [
-        "step 2/20 (epoch 1/2): loss 0.5000, images/s after warm-up, ETA 0:03:00",
-        "step 5/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:30",
-        "step 8/20 (epoch 1/2): loss 0.5000, 640 images/s, ETA 0:02:00",
-    ]
+from mnist_dist.operations.console import summary_line
 
 
 def test_a_run_ends_with_one_short_line_of_results_and_records_its_machine(make_config, tmp_path, capsys, monkeypatch):

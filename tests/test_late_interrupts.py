@@ -63,10 +63,12 @@ def test_ctrl_c_as_a_finished_run_exits_says_the_run_is_complete(tiny_root, tmp_
     code, out = _under_a_terminal(command, b"INFO run directory: ")  # the run's last line
     assert "epoch 1/1: 100%|" in out and "20/20 [" in out and "loss=" in out and "img_s=" in out  # rank 0's bar
     lines = out.replace("\r\n", "\n").splitlines()
-    assert code == 130 and "Traceback" not in out, lines  # not -2, with nothing said
+    assert "Traceback" not in out, lines
+    # Not -2 with nothing said: the line, or (a press before the run's handlers are put back) a run that completes.
     # The presses go on every 20 ms until the process is gone: on a loaded machine a second one can follow.
     said = [line for line in lines if line.startswith("interrupted")]
-    assert said[0] == f"interrupted as the run ended; it is complete in {tmp_path}/run", lines
+    complete = f"interrupted as the run ended; it is complete in {tmp_path}/run"
+    assert (code, said[:1]) in [(0, []), (130, [complete])], lines
     assert said[1:] in ([], ["interrupted again: stopped at once"]), lines
     assert (tmp_path / "run" / "results.json").is_file()
 
@@ -101,8 +103,8 @@ def test_ctrl_c_under_torchrun_says_ours_first_and_the_docs_name_torchruns_own_t
 # a Ctrl-C just after the closing line (as a finished run exits): "again", not the same line twice
 AFTER_THE_LINE = """if True:
     import os, signal, sys
-    from mnist_dist.operations.errors import exit_on_interrupt, interrupted
-    exit_on_interrupt("the run is complete")
+    from mnist_dist.operations.errors import interrupted, on_interrupt
+    on_interrupt("the run is complete")
     class PressAfterWrite:
         def write(self, text):
             sys.__stderr__.write(text); sys.__stderr__.flush(); os.kill(os.getpid(), signal.SIGINT)
@@ -118,7 +120,7 @@ WHILE_WRITING = """if True:
     def write_then_press(fd, data):
         done = write(fd, data); os.kill(os.getpid(), signal.SIGINT); return done
     os.write = write_then_press
-    errors.exit_on_interrupt("stopped")
+    errors.on_interrupt("stopped")
     os.kill(os.getpid(), signal.SIGINT)
     signal.pause()
 """

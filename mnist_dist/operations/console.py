@@ -1,25 +1,23 @@
-"""What rank 0 shows on the console (docs/running.md): the progress (a tqdm bar in a terminal, else a log line every
-``interval_s``, so that a run in CI is visibly alive), and one line of results."""
+"""What rank 0 shows on the console (docs/running.md): its progress, and one line of results."""
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import TextIO
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-# tqdm's default lock is a multiprocessing semaphore; a rank killed mid-run (OOM killer, SIGKILL)
-# would leave it behind and Python warns about it at exit. Each bar lives in one process anyway.
+# A bar lives in one process: a thread lock, not tqdm's default semaphore, which a rank killed mid-run (OOM killer,
+# SIGKILL) leaves behind, with a warning at exit; and no monitor thread in every rank (each has a disabled bar).
 tqdm.set_lock(threading.RLock())
-
-LOG_INTERVAL_S = 30.0
+tqdm.monitor_interval = 0
 
 
 def summary_line(results: dict) -> str:
@@ -33,67 +31,36 @@ def summary_line(results: dict) -> str:
 
 
 class Progress:
-    """``step()`` after every optimizer step; ``numbers(loss, images_per_s)`` when they are known."""
+    """When ``enabled``: a tqdm bar in a terminal, else a log line at most every 30 s (a run in CI is visibly
+    alive). ``step()`` after every optimizer step, ``numbers()`` with each log window's loss and images/s."""
 
-    def __init__(
-        self,
-        total_steps: int,
-        enabled: bool,
-        log: logging.Logger,
-        stream: TextIO | None = None,
-        interval_s: float = LOG_INTERVAL_S,
-        clock: Callable[[], float] = time.monotonic,
-        initial: int = 0,
-    ) -> None:
-        """``total_steps`` of the whole run; ``initial`` of them were done before a resume."""
-        stream = stream or sys.stderr
-        self.total, self.done, self.initial, self.epoch = total_steps, initial, initial, ""
-        self.log, self.interval_s, self.clock = log, interval_s, clock
-        self.started = clock()
-        self.last_line: float | None = None
-        self.loss: float | None = None
-        self.images_per_s = 0.0
-        self.bar = None
-        terminal = stream.isatty()
-        self.log_lines = enabled and not terminal
-        if enabled and terminal:
-            # shutil's size, not the terminal's own: a pseudo-terminal never given one (``script``, CI runners,
-            # ``docker exec -t``) reports 0x0, and tqdm then prints nothing.
-            columns, rows = shutil.get_terminal_size()
-            self.bar = tqdm(total=total_steps, initial=initial, file=stream, ncols=columns, nrows=rows, leave=False)
-            # Log lines (epoch results) go through tqdm.write, above the bar instead of through it.
-            self.redirect = logging_redirect_tqdm([log], tqdm_class=tqdm)
-            self.redirect.__enter__()
+    def __init__(self, total_steps: int, enabled: bool, log: logging.Logger, initial: int = 0) -> None:
+        bar = enabled and sys.stderr.isatty()
+        # shutil's size, not the terminal's own: a pseudo-terminal never given one (``script``, CI runners,
+        # ``docker exec -t``) reports 0x0, and tqdm then prints nothing.
+        columns, rows = shutil.get_terminal_size()
+        self.bar = tqdm(total=total_steps, initial=initial, ncols=columns, nrows=rows, leave=False, disable=not bar)
+        self.redirect = logging_redirect_tqdm([log]) if bar else nullcontext()  # log records go above the bar
+        self.redirect.__enter__()
+        self.log, self.done, self.epoch, self.loss, self.images_per_s = log, initial, "", None, 0.0
+        self.next_line = 0.0 if enabled and not bar else math.inf
 
     def set_epoch(self, epoch: int, epochs: int) -> None:
         self.epoch = f"epoch {epoch}/{epochs}"
-        if self.bar:
-            self.bar.set_description(self.epoch, refresh=False)
+        self.bar.set_description(self.epoch, refresh=False)
 
     def step(self) -> None:
+        self.bar.update()
         self.done += 1
-        if self.bar:
-            self.bar.update()
-        elif self.log_lines and self.loss is not None:
-            now = self.clock()
-            if self.last_line is None or now - self.last_line >= self.interval_s:
-                self.last_line = now
-                self.log.info("%s", self.line(now))
+        if self.loss is not None and time.monotonic() >= self.next_line:
+            self.next_line = time.monotonic() + 30
+            line = "step %d/%d (%s): loss %.4f, %.0f images/s"
+            self.log.info(line, self.done, self.bar.total, self.epoch, self.loss, self.images_per_s)
 
     def numbers(self, loss: float, images_per_s: float | None) -> None:
-        self.loss = loss
-        if images_per_s:
-            self.images_per_s = images_per_s
-        if self.bar:
-            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{self.images_per_s:.0f}", refresh=False)
-
-    def line(self, now: float) -> str:
-        per_step = (now - self.started) / max(self.done - self.initial, 1)
-        eta = timedelta(seconds=round(per_step * (self.total - self.done)))
-        speed = f"{self.images_per_s:,.0f} images/s" if self.images_per_s else "images/s after warm-up"
-        return f"step {self.done}/{self.total} ({self.epoch}): loss {self.loss:.4f}, {speed}, ETA {eta}"
+        self.loss, self.images_per_s = loss, images_per_s or self.images_per_s
+        self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{self.images_per_s:.0f}", refresh=False)
 
     def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-            self.redirect.__exit__(None, None, None)
+        self.bar.close()
+        self.redirect.__exit__(None, None, None)

@@ -1,11 +1,7 @@
-"""Stopping at the next step boundary with a checkpoint: on Ctrl-C, on SIGTERM (a scheduler's, or the launcher
-passing a Ctrl-C on to its ranks) and on SIGUSR1 (SLURM's warning before the time limit).
-
-Before the first step there is nothing new to save: the run stops at once (once back in Python: a rendezvous
-waits in torch's C++ until its peers come or ``dist.timeout_s`` passes). From then on each rank votes after every
-step on whether any rank got a signal (so every rank stops after the same step, even if the signal reached only
-some); a vote is read one step later, so no step waits for it. A second Ctrl-C stops at once. Under srun the
-job then exits ``REQUEUE``; otherwise it prints the command that resumes."""
+"""Stopping at a step boundary with a checkpoint, on Ctrl-C, SIGTERM (a scheduler's, or the launcher passing a Ctrl-C
+on to its ranks) and SIGUSR1 (SLURM's warning). Before the first step the run stops at once: nothing new to save.
+After it each rank votes after every step on whether any rank got one, so that every rank stops after the same
+step; a vote is read a step later, so that no step waits for it. A second Ctrl-C stops at once."""
 
 from __future__ import annotations
 
@@ -17,15 +13,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mnist_dist.operations.errors import stop_now
+from mnist_dist.operations.errors import received
 
 REQUEUE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command again to go on
 _SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
-_BEFORE_TRAINING = "stopped by {} before the first step: nothing new to save"
-_received: list[str] = []
-_last: list[str] = []  # the signal that stopped the last run, once its handlers are put back
+_received: list[str] = []  # this run's signals, by name
 _training: list[bool] = []  # the first step is done: a signal is voted on, not acted on at once
-_votes: list = []  # the last step's vote: (its all-reduce, its tensor)
+_votes: list = []  # the votes not yet read: (its all-reduce, its tensor)
 _group: list = []  # the process group the votes go through (gloo: no device sync for one number)
 _timeout: list[timedelta] = []  # how long a vote waits for a stuck rank
 
@@ -34,24 +28,18 @@ class Stopped(KeyboardInterrupt):  # noqa: N818 (a Ctrl-C, answered: whoever han
     """A signal asked this run to stop; the checkpoint is written. The message says where it is."""
 
 
-def received() -> int | None:
-    """The signal that the last run in this process got, if any (one after its last step stopped nothing); read
-    once, so that a later run (a sweep's) does not report it again."""
-    return signal.Signals[_last.pop()] if _last else None
-
-
 @contextmanager
 def installed(timeout_s: float) -> Iterator[None]:
-    """Within it these signals stop the run: at once before the first step, else after a vote that waits at
-    most ``timeout_s`` (dist.timeout_s). The handlers and this module's state are put back afterwards: a sweep
-    runs several jobs in one process."""
+    """Within it these signals stop the run, a vote waiting at most ``timeout_s`` for a stuck rank. The handlers and
+    this module's state are put back afterwards: a sweep runs several jobs in one process."""
 
     def on_signal(signum: int, frame) -> None:
-        if signum == signal.SIGINT and signal.Signals.SIGINT.name in _received:
-            stop_now(signum)  # Ctrl-C again: at once
+        if signum == signal.SIGINT and "SIGINT" in _received:
+            before[signum](signum, frame)  # Ctrl-C again: the command's own handler, at once
         _received.append(signal.Signals(signum).name)
+        received.append(signum)  # the command's exit status
         if not _training:
-            raise Stopped(_BEFORE_TRAINING.format(_received[0]))
+            raise Stopped(f"stopped by {_received[0]} before the first step: nothing new to save")
 
     _timeout[:] = [timedelta(seconds=timeout_s)]
     before = {signum: signal.getsignal(signum) for signum in _SIGNALS}
@@ -63,7 +51,6 @@ def installed(timeout_s: float) -> Iterator[None]:
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-        _last[:] = _received[:1]
         for state in (_received, _training, _votes, _group):
             state.clear()
 
@@ -74,15 +61,12 @@ def requested(step: int) -> str | None:
     _training[:] = [True]
     if not dist.is_initialized():
         return _received[0] if _received else None
-    if not _group:
-        # One number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU.
-        gloo = dist.get_backend() == "gloo"
-        _group.append(None if gloo else dist.new_group(backend="gloo", timeout=_timeout[0]))
+    if not _group:  # one number a step: through gloo, even in an NCCL job, so that reading it never syncs the GPU
+        _group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout[0]))
     vote = torch.tensor([float(bool(_received))])
-    work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True)
-    previous, _votes[:] = _votes[:], [(work, vote)]
-    if not previous:
+    _votes.append((dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_group[0], async_op=True), vote))
+    if len(_votes) == 1:
         return None
-    ((work, tally),) = previous
+    work, tally = _votes.pop(0)
     work.wait()
     return (_received or ["a signal to another rank"])[0] if tally.item() else None

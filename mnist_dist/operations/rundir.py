@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -18,78 +18,65 @@ from mnist_dist.config import ConfigError
 
 LOCK = ".run.lock"  # in the run directory, held for the lifetime of the run that writes there
 HYDRA_OWN = {".hydra", "mnist_dist.log"}  # what Hydra writes into a run directory as the job starts (conf/config.yaml)
-_existing: set[Path] = set()  # run and sweep directories there before Hydra made them: the user's, never removed
-sweeps: list[Path] = []  # the sweep directory of a -m launch
+noted: dict[Path, bool] = {}  # run and sweep directories Hydra was to make: whether they were there (never removed)
 
 
 class NoteExisting(Callback):
     """Registered in conf/config.yaml: before Hydra creates the run or sweep directory, notes whether it exists."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        _note(Path(config.hydra.run.dir))
+        self.note(config.hydra.run.dir)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        sweeps.append(Path(config.hydra.sweep.dir))
-        _note(sweeps[-1])
+        self.note(config.hydra.sweep.dir)
 
-
-def _note(directory: Path) -> None:
-    if directory.exists():
-        _existing.add(directory.resolve())
+    def note(self, directory: str) -> None:
+        noted[Path(directory).resolve()] = Path(directory).exists()
 
 
 def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
     """Whether this launch's Hydra created ``directory``: it then holds nothing but Hydra's ``hydra_own``."""
-    return directory.resolve() not in _existing and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
+    made = directory.is_dir() and not noted.get(directory.resolve())
+    return made and {p.name for p in directory.iterdir()} <= hydra_own | {LOCK}
 
 
 def remove(directory: Path) -> None:
     """``directory``, and the parents Hydra made for it alone under the working directory (outputs/<date>/)."""
-    directory = directory.resolve()
     shutil.rmtree(directory, ignore_errors=True)
-    for parent in directory.parents:
-        if not parent.is_relative_to(Path.cwd()) or parent == Path.cwd() or any(parent.iterdir()):
-            break
-        parent.rmdir()
+    with suppress(ValueError, OSError):  # elsewhere; a parent that is not empty (or a mount point) stays
+        os.removedirs(directory.resolve().parent.relative_to(Path.cwd()))
 
 
 @contextmanager
-def owned(run_dir: Path) -> Iterator[None]:
-    """Holds ``run_dir``'s lock while the body runs; a ConfigError if a live run holds it already. The kernel
-    releases the lock when its holder dies, however it dies."""
-    lock = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False)
+def owned(run_dir: Path) -> Iterator[bool]:
+    """Holds ``run_dir``'s lock (the kernel's: released when its holder dies, however it dies) while the body runs,
+    which gets whether this launch's Hydra made ``run_dir``; a ConfigError if a live run holds it."""
     try:
-        lock.acquire()
+        held = FileLock(run_dir / LOCK, blocking=False, fallback_to_soft=False).acquire()
     except Timeout:
         raise ConfigError(
             f"{run_dir} is in use by another run that is still alive; wait for it, or pass another hydra.run.dir"
         ) from None
-    try:
-        yield
-    finally:
-        lock.release()
+    with held:
+        yield made_for(run_dir)  # read under the lock: another launch may have made it
 
 
 def refuse_another_run(run_dir: Path) -> None:
     """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
     checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
     held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if (run_dir / name).is_file()]
-    if "checkpoint.pt" in held and "results.json" not in held:
-        raise ConfigError(
-            f"{run_dir} holds an unfinished run (checkpoint.pt), which a fresh run would replace; pass resume=auto "
-            "to go on from it, or another hydra.run.dir"
-        )
     if held:
+        unfinished = "checkpoint.pt" in held and "results.json" not in held
+        what, go_on = ("an unfinished", "resume=auto to go on from it, or ") if unfinished else ("a finished", "")
         raise ConfigError(
-            f"{run_dir} holds a finished run ({', '.join(held)}), which a fresh run would replace; pass another "
-            "hydra.run.dir"
+            f"{run_dir} holds {what} run ({', '.join(held)}), which a fresh run would replace; pass "
+            f"{go_on}another hydra.run.dir"
         )
 
 
 def on_this_node(run_dir: Path) -> Path:
-    """Under torchrun: rank 0's run directory, created on this node too (a collective: every rank calls), so
-    that each node needs only its own disk. One under rank 0's working directory (the default ``outputs/...``)
-    lands at the same place under this node's; any other at the same absolute path."""
+    """Under torchrun (a collective): rank 0's run directory, created on this node too, so that each node needs only
+    its own disk: under this node's working directory where rank 0's lies under rank 0's, else at the same path."""
     shared = [str(run_dir), os.getcwd()]
     dist.broadcast_object_list(shared, src=0)
     path, rank0_cwd = Path(shared[0]), Path(shared[1])

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import NOTHING_STARTED, interrupted, on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the imports below (torch): Ctrl-C meanwhile is one line too
+    on_interrupt(NOTHING_STARTED)  # before the imports below (torch): Ctrl-C meanwhile is one line too
 
 from mnist_dist.operations import files, machine
 from mnist_dist.operations.tensorboard import read_scalars
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise_on_interrupt()  # Ctrl-C and SIGTERM: the running case is stopped with its ranks, then one line
+    on_interrupt()  # Ctrl-C and SIGTERM: the running case is stopped with its ranks, then one line
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -18,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mnist_dist.operations.errors import exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import NOTHING_STARTED, interrupted, on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
+    on_interrupt(NOTHING_STARTED)  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
 
 import torch
 import torch.distributed as dist
@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise_on_interrupt()  # Ctrl-C and SIGTERM: the check's ranks are stopped, then one line
+    on_interrupt()  # Ctrl-C and SIGTERM: the check's ranks are stopped, then one line
     try:  # the module as imported, not __main__: the ranks find _rank_checks there
         from mnist_dist.tools import check
 

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mnist_dist.operations.errors import DataError, command, exit_on_interrupt, interrupted, raise_on_interrupt
+from mnist_dist.operations.errors import NOTHING_STARTED, DataError, command, interrupted, on_interrupt
 
 if __name__ == "__main__":
-    exit_on_interrupt()  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
+    on_interrupt(NOTHING_STARTED)  # before the slow imports below (torch, Hydra): Ctrl-C meanwhile is one line too
 
 import yaml
 from hydra import compose, initialize_config_module
@@ -253,6 +253,6 @@ def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]
 
 
 if __name__ == "__main__":
-    raise_on_interrupt()  # Ctrl-C and SIGTERM: the workers are stopped, then one line
+    on_interrupt()  # Ctrl-C and SIGTERM: the workers are stopped, then one line
     with command():  # once it has its status, no interpreter teardown for a late Ctrl-C to land in
         sys.exit(main(sys.argv[1:]))
