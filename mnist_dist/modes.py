@@ -97,10 +97,6 @@ def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1)
     return MODES[mode.name].wrap(model, mode, device, gpus)
 
 
-def _single(model: nn.Module, mode: SingleMode, device: torch.device, gpus: int) -> nn.Module:
-    return model.to(device)
-
-
 def _data_parallel(model: nn.Module, mode: DataParallelMode, device: torch.device, gpus: int) -> nn.Module:
     device_ids = list(range(gpus)) if device.type == "cuda" else []  # []: a pass-through on CPU
     functional = mode.name == "dp_functional"  # replicate, scatter, parallel_apply and gather by hand
@@ -147,7 +143,7 @@ def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> 
 MODES: dict[str, Mode] = {
     mode.name: mode
     for mode in (
-        Mode("single", SingleMode, _single),
+        Mode("single", SingleMode, lambda model, mode, device, gpus: model.to(device)),
         Mode("dp", DataParallelMode, _data_parallel, all_gpus=True),
         Mode("dp_block", DataParallelMode, _data_parallel, all_gpus=True),
         Mode("dp_functional", DataParallelMode, _data_parallel, all_gpus=True),

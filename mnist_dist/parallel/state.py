@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.parallel.ddp import DistributedDataParallel, broadcast_from
+from mnist_dist.parallel.ddp import DistributedDataParallel
 from mnist_dist.parallel.dp import FunctionalDataParallel
 
 # The wrappers that hold the model as their .module (FSDP2 shards the model in place instead).
@@ -45,13 +44,6 @@ def _plain_names(model: nn.Module) -> dict[str, str]:
                 plain = prefix + plain[len(prefix + "module.") :]
         names[key] = plain
     return names
-
-
-def buffers_from_rank0(model: nn.Module) -> None:
-    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none): the BatchNorm statistics a
-    checkpoint saves, where each rank's last forward updated its own. Nothing in one process."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        broadcast_from(list(model.buffers()))
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
