@@ -35,14 +35,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _plain_names(model: nn.Module) -> dict[str, str]:
     """torch's name for each parameter and buffer of ``unwrap(model)`` -> the plain model's. torch drops only its
     own DDP's ``module.``; a wrapper around a submodule (dp_block) keeps it, so it is dropped here."""
-    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, OUTER)]
+    inner = [f"{name}.module." for name, m in model.named_modules() if name and isinstance(m, OUTER)]
     names = {}
-    for key in model.state_dict():
-        plain = key
-        for prefix in inner:
-            if plain.startswith(prefix + "module."):
-                plain = prefix + plain[len(prefix + "module.") :]
-        names[key] = plain
+    for key in model.state_dict():  # features.module.0.weight -> features.0.weight
+        prefix = next((p for p in inner if key.startswith(p)), "")
+        names[key] = prefix.removesuffix("module.") + key.removeprefix(prefix)
     return names
 
 
