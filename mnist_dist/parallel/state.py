@@ -8,10 +8,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mnist_dist.parallel.ddp import DistributedDataParallel
-from mnist_dist.parallel.dp import FunctionalDataParallel
 
-# The wrappers that hold the model as their .module (FSDP2 shards the model in place instead).
-OUTER = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
+# The wrappers that hold the model as their .module, dp.py's included (FSDP2 shards the model in place instead).
+OUTER = (DistributedDataParallel, TorchDDP, nn.DataParallel)
 
 
 def _dcp():
