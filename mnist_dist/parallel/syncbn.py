@@ -8,9 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.nn.functional import all_reduce
-
-BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 class SyncBatchNorm(nn.BatchNorm2d):
@@ -30,9 +27,9 @@ class SyncBatchNorm(nn.BatchNorm2d):
             )
         x, channels, dims = input.float(), input.shape[1], [d for d in range(input.dim()) if d != 1]
         count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
-        # Sums over every rank's batch. This all_reduce is differentiable: backward sums the statistics' gradients
-        # over the ranks, so the input's gradient goes through the global batch as one process's would.
-        stats = all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+        # Sums over every rank's batch; backward sums the statistics' gradients over the ranks, so that the input's
+        # gradient goes through the global batch as one process's would.
+        stats = _AllReduce.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
         total = stats[-1]
         mean = stats[:channels] / total
         var = (stats[channels : 2 * channels] / total - mean * mean).clamp(min=0)  # biased, as normalised
@@ -47,15 +44,29 @@ class SyncBatchNorm(nn.BatchNorm2d):
         return y.to(input.dtype)
 
 
+class _AllReduce(torch.autograd.Function):
+    """A sum over the ranks, in forward and in backward (torch.distributed.nn.functional's is deprecated, and
+    refused under torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _AllReduce.forward(ctx, grad)
+
+
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` holding the same parameters and
     buffers (the counterpart of ``nn.SyncBatchNorm.convert_sync_batchnorm``, for any backend)."""
-    if isinstance(module, BATCHNORMS) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
-        if module.affine:
-            converted.weight, converted.bias = module.weight, module.bias
+        converted.weight, converted.bias = module.weight, module.bias  # None without affine, as BatchNorm's
         converted.running_mean, converted.running_var = module.running_mean, module.running_var
         converted.num_batches_tracked = module.num_batches_tracked
         converted.train(module.training)
