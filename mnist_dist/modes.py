@@ -74,7 +74,6 @@ class Mode:
 
 
 def world_size(cfg: Any) -> int:
-    """Number of worker processes."""
     return cfg.gpus if MODES[cfg.mode.name].per_device else 1
 
 

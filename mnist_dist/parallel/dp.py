@@ -12,16 +12,16 @@ from torch import nn
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
 
 
-def _in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype, enabled: bool, *args, **kwargs):
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        return module(*args, **kwargs)
-
-
 def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[Callable]:
     """``replicas`` as ``parallel_apply`` should call them: in the caller's autocast state in every thread.
     ``parallel_apply`` re-enters autocast in each thread without a dtype, which is thread-local: bf16 would be lost."""
-    state = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
-    return [partial(_in_autocast, replica, *state) for replica in replicas]
+    dtype, enabled = torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+    def call(replica: nn.Module, *args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return replica(*args, **kwargs)
+
+    return [partial(call, replica) for replica in replicas]
 
 
 class DataParallel(nn.DataParallel):
