@@ -3,7 +3,8 @@ batch (with gradient accumulation), exact sharded evaluation, the divergence che
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -115,9 +116,6 @@ class Precision:
     scaling; fp16 does, or small gradients underflow to zero."""
 
     def __init__(self, amp: str, device: torch.device) -> None:
-        self.device_type = device.type
-        self.dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        self.autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
