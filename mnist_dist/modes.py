@@ -27,7 +27,6 @@ class SingleMode:
 class DataParallelMode:
     name: str = "dp"
     dp_block: str = ""  # wrap only this submodule (e.g. features) in DataParallel; "" = the whole model
-    dp_functional: bool = False  # replicate/scatter/parallel_apply/gather by hand, not nn.DataParallel
 
 
 @dataclass
@@ -37,30 +36,19 @@ class SplitMode:
 
 
 @dataclass
-class ReplicatedMode:
-    """What both DDPs share: one process per device, each with the whole model, gradients averaged."""
+class DDPMode:
+    """ddp and torch_ddp: one process per device, each with the whole model, gradients averaged."""
 
-    name: str
+    name: str = "ddp"
     find_unused_parameters: bool = False  # allow parameters that get no gradient
     # BatchNorm over the global batch instead of each rank's share (a collective per layer in forward and in
     # backward): then ddp computes what single does. On CUDA torch's SyncBatchNorm, elsewhere ours (syncbn.py).
     sync_batchnorm: bool = False
     # MiB per all-reduce bucket (torch's bucket_cap_mb), in both DDPs, which cut buckets alike. null: torch's
-    # default, 25 with the first bucket capped at 1 so that it starts early (this convnet: fc2 and fc1 in
-    # the first, the convolutions in the second); a number caps every bucket (25: the convnet in one).
+    # default, 25 with the first bucket capped at 1 so that it starts early; a number caps every bucket.
     bucket_cap_mb: float | None = None
     # .grad is a view of its all-reduce bucket: one copy per gradient and step fewer, one gradient's memory less
     gradient_as_bucket_view: bool = False
-
-
-@dataclass
-class TorchDDPMode(ReplicatedMode):
-    name: str = "torch_ddp"
-
-
-@dataclass
-class DDPMode(ReplicatedMode):
-    name: str = "ddp"
 
 
 @dataclass
@@ -71,15 +59,11 @@ class FSDPMode:
     reshard_after_forward: bool = True
 
 
-# wrap(model, mode config, device of this process, gpus) -> the model placed and wrapped
-Wrap = Callable[[nn.Module, Any, torch.device, int], nn.Module]
-
-
 @dataclass(frozen=True)
 class Mode:
     name: str  # the choice: mode=<name>, conf/mode/<name>.yaml, results.json's "mode"
     schema: type  # its structured config: the knobs it has, with their defaults
-    wrap: Wrap
+    wrap: Callable[[nn.Module, Any, torch.device, int], nn.Module]  # (model, mode config, device, gpus)
     per_device: bool = False  # one worker process per device (`gpus` of them); else one, the launching process
     all_gpus: bool = False  # the one process drives `gpus` devices (dp, split); else one device each
     max_gpus: int | None = None  # the most devices the mode can use
@@ -90,7 +74,6 @@ class Mode:
 
 
 def world_size(cfg: Any) -> int:
-    """Number of worker processes."""
     return cfg.gpus if MODES[cfg.mode.name].per_device else 1
 
 
@@ -113,13 +96,10 @@ def wrap_model(model: nn.Module, mode: Any, device: torch.device, gpus: int = 1)
     return MODES[mode.name].wrap(model, mode, device, gpus)
 
 
-def _single(model: nn.Module, mode: SingleMode, device: torch.device, gpus: int) -> nn.Module:
-    return model.to(device)
-
-
 def _data_parallel(model: nn.Module, mode: DataParallelMode, device: torch.device, gpus: int) -> nn.Module:
     device_ids = list(range(gpus)) if device.type == "cuda" else []  # []: a pass-through on CPU
-    return _no_such_submodule(data_parallel, model.to(device), device_ids, mode.dp_block, mode.dp_functional)
+    functional = mode.name == "dp_functional"  # replicate, scatter, parallel_apply and gather by hand
+    return _no_such_submodule(data_parallel, model.to(device), device_ids, mode.dp_block, functional)
 
 
 def _split(model: nn.Module, mode: SplitMode, device: torch.device, gpus: int) -> nn.Module:
@@ -135,7 +115,7 @@ def _no_such_submodule(wrap: Callable[..., nn.Module], *args) -> nn.Module:
         raise ConfigError(error.args[0]) from None
 
 
-def _sync_batchnorm(model: nn.Module, mode: ReplicatedMode, device: torch.device) -> nn.Module:
+def _sync_batchnorm(model: nn.Module, mode: DDPMode, device: torch.device) -> nn.Module:
     model = model.to(device)
     if not mode.sync_batchnorm:
         return model
@@ -145,18 +125,10 @@ def _sync_batchnorm(model: nn.Module, mode: ReplicatedMode, device: torch.device
 
 
 def _ddp(model: nn.Module, mode: DDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return DistributedDataParallel(
+    """Ours or torch's, with the same arguments."""
+    return (DistributedDataParallel if mode.name == "ddp" else TorchDDP)(
         _sync_batchnorm(model, mode, device),
-        bucket_cap_mb=mode.bucket_cap_mb,
-        find_unused_parameters=mode.find_unused_parameters,
-        gradient_as_bucket_view=mode.gradient_as_bucket_view,
-    )
-
-
-def _torch_ddp(model: nn.Module, mode: TorchDDPMode, device: torch.device, gpus: int) -> nn.Module:
-    return TorchDDP(
-        _sync_batchnorm(model, mode, device),
-        device_ids=[device] if device.type == "cuda" else None,
+        device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=mode.find_unused_parameters,
         bucket_cap_mb=mode.bucket_cap_mb,
         gradient_as_bucket_view=mode.gradient_as_bucket_view,
@@ -167,20 +139,17 @@ def _fsdp(model: nn.Module, mode: FSDPMode, device: torch.device, gpus: int) -> 
     return shard(model, device, mode.reshard_after_forward)
 
 
-_DP = {"all_gpus": True}
-_SPLIT = {"all_gpus": True, "max_gpus": 2}
-_PER_DEVICE = {"per_device": True}
 MODES: dict[str, Mode] = {
     mode.name: mode
     for mode in (
-        Mode("single", SingleMode, _single),
-        Mode("dp", DataParallelMode, _data_parallel, **_DP),
-        Mode("dp_block", DataParallelMode, _data_parallel, **_DP),
-        Mode("dp_functional", DataParallelMode, _data_parallel, **_DP),
-        Mode("split", SplitMode, _split, **_SPLIT),
-        Mode("ddp", DDPMode, _ddp, **_PER_DEVICE),
-        Mode("torch_ddp", TorchDDPMode, _torch_ddp, **_PER_DEVICE),
-        Mode("fsdp", FSDPMode, _fsdp, **_PER_DEVICE),
+        Mode("single", SingleMode, lambda model, mode, device, gpus: model.to(device)),
+        Mode("dp", DataParallelMode, _data_parallel, all_gpus=True),
+        Mode("dp_block", DataParallelMode, _data_parallel, all_gpus=True),
+        Mode("dp_functional", DataParallelMode, _data_parallel, all_gpus=True),
+        Mode("split", SplitMode, _split, all_gpus=True, max_gpus=2),
+        Mode("ddp", DDPMode, _ddp, per_device=True),
+        Mode("torch_ddp", DDPMode, _ddp, per_device=True),
+        Mode("fsdp", FSDPMode, _fsdp, per_device=True),
     )
 }
 for _mode in MODES.values():  # each structured config, as Hydra's mode_schema/<name> (conf/mode/<name>.yaml)

@@ -3,16 +3,19 @@ batch (with gradient accumulation), exact sharded evaluation, the divergence che
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
 from mnist_dist.data import eval_shard
 from mnist_dist.metrics import all_gather
-from mnist_dist.parallel import buffers_from_rank0, unwrap
+from mnist_dist.parallel import unwrap
+from mnist_dist.parallel.ddp import broadcast_from
 
 
 def train_step(
@@ -59,10 +62,15 @@ def compute_gradients(
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_as_saved(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
 ) -> tuple[float, float]:
-    """Exact loss and accuracy over the whole test set: each rank scores a disjoint share."""
+    """Exact loss and accuracy over the whole test set of the model a checkpoint saves (a collective): every rank
+    takes rank 0's BatchNorm statistics, the ones saved, so the reported accuracy is model.pt's; then each rank
+    scores a disjoint share."""
+    if dist.is_initialized():
+        broadcast_from(list(model.buffers()))
+    model = unwrap(model)
     model.eval()
     share = eval_shard(len(x), rank, world_size)
     loss_sum, correct = 0.0, 0
@@ -76,15 +84,6 @@ def evaluate(
         correct += (logits.argmax(1) == labels).sum().item()
     loss_sum, correct = (sum(column) for column in zip(*all_gather([loss_sum, correct])))
     return loss_sum / len(x), correct / len(x)
-
-
-def evaluate_as_saved(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int
-) -> tuple[float, float]:
-    """``evaluate`` of the model a checkpoint saves (a collective): every rank takes rank 0's BatchNorm statistics
-    first, the ones saved, so the reported accuracy is model.pt's."""
-    buffers_from_rank0(model)
-    return evaluate(unwrap(model), x, y, batch_size, rank, world_size)
 
 
 class TrainingDiverged(RuntimeError):
@@ -117,9 +116,6 @@ class Precision:
     scaling; fp16 does, or small gradients underflow to zero."""
 
     def __init__(self, amp: str, device: torch.device) -> None:
-        self.device_type = device.type
-        self.dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        self.autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

@@ -120,7 +120,10 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     """Data on the device, the wrapped model, optimizer, scheduler and meters; a resumed run's state."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     device = topology.device
-    train_set, test_set = (load_data(cfg, raw_dir, train, device) for train in (True, False))
+    data = [to_device_tensors(*load_split(raw_dir, t), cfg.data.mean, cfg.data.std, device) for t in (True, False)]
+    if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
+        data = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in data]
+    train_set, test_set = data
     model = wrap_model(build_model(cfg, resumed), cfg.mode, device, topology.gpus)
     random.seed(cfg.seed + topology.rank)
     torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
@@ -139,14 +142,6 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     per_rank = f"global batch {cfg.batch_size} ({cfg.batch_size // size} per rank), {steps} steps per epoch"
     log.info("%s: %d rank(s), %s", where, size, per_rank)
     return run
-
-
-def load_data(cfg: Config, raw_dir: Path, train: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split's images, normalised, and labels, on ``device``."""
-    x, y = to_device_tensors(*load_split(raw_dir, train=train), cfg.data.mean, cfg.data.std, device)
-    if cfg.channels_last:  # NHWC: what tensor-core convolutions read without a transpose
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x, y
 
 
 def build_model(cfg: Config, resumed: dict | None) -> nn.Module:

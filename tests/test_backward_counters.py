@@ -6,7 +6,7 @@ import torch
 from helpers import run_batch
 
 from mnist_dist.model import ConvNet
-from mnist_dist.modes import DDPMode, TorchDDPMode, wrap_model
+from mnist_dist.modes import DDPMode, wrap_model
 
 # spawned ranks: out of `-m "not slow"`, which keeps test_ddp.py's one job of our DDP against one process
 pytestmark = pytest.mark.slow
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def torch_buckets(rank: int, world_size: int, bucket_cap_mb: float | None) -> list[int]:
     """torch DDP's buckets (bytes) after it rebuilt them in the order of the first backward: one all-reduce each."""
-    model = wrap_model(ConvNet(), TorchDDPMode(bucket_cap_mb=bucket_cap_mb), torch.device("cpu"))
+    model = wrap_model(ConvNet(), DDPMode("torch_ddp", bucket_cap_mb=bucket_cap_mb), torch.device("cpu"))
     for _ in range(3):
         model(torch.randn(2, 1, 28, 28)).sum().backward()
     return [int(size) for size in model._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", ")]

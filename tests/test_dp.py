@@ -68,10 +68,10 @@ def test_functional_dp_equals_data_parallel_on_the_gpus():
     x = torch.randn(64, 1, 28, 28)
     expected = net(x)
     gpus = torch.cuda.device_count()
-    for options in ({}, {"dp_functional": True}, {"dp_block": "features"}):
+    for name, options in (("dp", {}), ("dp_functional", {}), ("dp_block", {"dp_block": "features"})):
         replica = ConvNet(dropout=False)
         replica.load_state_dict(net.state_dict())
-        model = wrap_model(replica, mode("dp", **options), torch.device("cuda:0"), gpus)
+        model = wrap_model(replica, mode(name, **options), torch.device("cuda:0"), gpus)
         torch.testing.assert_close(model(x.cuda()).cpu(), expected, rtol=1e-4, atol=1e-4)
 
 

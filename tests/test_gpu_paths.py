@@ -12,7 +12,7 @@ from helpers import validate_here
 from mnist_dist import metrics
 from mnist_dist.config import ConfigError
 from mnist_dist.model import ConvNet
-from mnist_dist.modes import MODES, DDPMode, TorchDDPMode, wrap_model
+from mnist_dist.modes import MODES, DDPMode, wrap_model
 from mnist_dist.operations import checkpoint
 from mnist_dist.topology import Topology, from_env, setup_process
 
@@ -137,9 +137,9 @@ def test_model_state_counts_both_ddps_alike_with_gradients_as_bucket_views(one_r
     # Each storage once: a .grad that is a view of its bucket is not counted twice, nor the buckets (torch's
     # are not public), so both DDPs report the same figure. Without views, in a run: test_world_size.py.
     figures = {}
-    for mode in (DDPMode, TorchDDPMode):
+    for name in ("ddp", "torch_ddp"):
         torch.manual_seed(0)
-        options = mode(bucket_cap_mb=25.0, gradient_as_bucket_view=True)
+        options = DDPMode(name, bucket_cap_mb=25.0, gradient_as_bucket_view=True)
         model = wrap_model(ConvNet(dropout=False), options, torch.device("cpu"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(2):

@@ -11,7 +11,7 @@ from torch import nn
 
 from mnist_dist import __main__ as command
 from mnist_dist.model import FastNet
-from mnist_dist.modes import DDPMode, TorchDDPMode, _sync_batchnorm, wrap_model
+from mnist_dist.modes import DDPMode, _sync_batchnorm, wrap_model
 from mnist_dist.parallel import unwrap
 from mnist_dist.parallel.syncbn import SyncBatchNorm
 
@@ -57,7 +57,7 @@ def test_sync_batchnorm_converts_the_layers_to_ours_on_cpu_and_torchs_on_cuda(on
 
     plain = wrap_model(FastNet(), DDPMode(), torch.device("cpu"))
     assert batchnorms(plain) == [nn.BatchNorm2d] * 3
-    for mode in (DDPMode(sync_batchnorm=True), TorchDDPMode(sync_batchnorm=True)):
+    for mode in (DDPMode("ddp", sync_batchnorm=True), DDPMode("torch_ddp", sync_batchnorm=True)):
         synced = wrap_model(FastNet(), mode, torch.device("cpu"))
         assert batchnorms(synced) == [SyncBatchNorm] * 3  # torch's raises on CPU tensors; ours runs on gloo
         FastNet().load_state_dict(unwrap(synced).state_dict())  # same keys as BatchNorm's

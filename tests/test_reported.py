@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 
 from mnist_dist.data import load_split, raw_dir, to_device_tensors
 from mnist_dist.launch import launch
-from mnist_dist.step import evaluate
+from mnist_dist.step import evaluate_as_saved
 from mnist_dist.tools import write_idx
 
 BATCHNORM = ("model=fastnet", "epochs=1", "batch_size=48", "optim=sgd", "optim.lr=0.05")
@@ -51,7 +51,7 @@ def evaluated_in_one_process(root, run_dir) -> tuple[float, float]:
     model.load_state_dict(torch.load(run_dir / "model.pt"))
     x, y = to_device_tensors(*load_split(raw_dir("mnist", root), train=False), 0.1307, 0.3081, "cpu")
     assert (cfg.data.mean, cfg.data.std) == (0.1307, 0.3081)
-    return evaluate(model, x, y, 1000, 0, 1)
+    return evaluate_as_saved(model, x, y, 1000, 0, 1)
 
 
 @pytest.mark.slow

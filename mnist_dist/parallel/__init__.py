@@ -13,7 +13,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from mnist_dist.parallel.ddp_extras import DistributedDataParallel  # the core (ddp.py), join() and more
 from mnist_dist.parallel.dp import FunctionalDataParallel, data_parallel, split
 from mnist_dist.parallel.spawn import WorkerFailed, spawn
-from mnist_dist.parallel.state import buffers_from_rank0, unwrap
+from mnist_dist.parallel.state import unwrap
 
 __all__ = [
     "DistributedDataParallel",
@@ -21,7 +21,6 @@ __all__ = [
     "data_parallel",
     "split",
     "unwrap",
-    "buffers_from_rank0",
     "spawn",
     "WorkerFailed",
 ]

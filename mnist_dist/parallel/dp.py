@@ -12,22 +12,16 @@ from torch import nn
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
 
 
-def _in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype, enabled: bool, *args, **kwargs):
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        return module(*args, **kwargs)
-
-
 def in_callers_autocast(replicas: list[nn.Module], device_type: str) -> list[Callable]:
     """``replicas`` as ``parallel_apply`` should call them: in the caller's autocast state in every thread.
     ``parallel_apply`` re-enters autocast in each thread without a dtype, which is thread-local: bf16 would be lost."""
-    state = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
-    return [partial(_in_autocast, replica, *state) for replica in replicas]
+    dtype, enabled = torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
 
+    def call(replica: nn.Module, *args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return replica(*args, **kwargs)
 
-def _parallel_apply(replicas: list[nn.Module], inputs, kwargs, device_ids: list[int]) -> list:
-    """One thread per device, each in the caller's autocast state (nn.DataParallel's method of that name)."""
-    calls = in_callers_autocast(replicas, inputs[0][0].device.type)  # the device the batch was scattered to
-    return parallel_apply(calls, inputs, kwargs, device_ids[: len(replicas)])
+    return [partial(call, replica) for replica in replicas]
 
 
 class DataParallel(nn.DataParallel):
@@ -41,16 +35,14 @@ class DataParallel(nn.DataParallel):
             nn.Module.__init__(self)
             self.module, self.device_ids = module, []
 
-    def parallel_apply(self, replicas, inputs, kwargs):
-        return _parallel_apply(replicas, inputs, kwargs, self.device_ids)
+    def parallel_apply(self, replicas: list[nn.Module], inputs: list[tuple], kwargs=None) -> list:
+        """One thread per device, each in the caller's autocast state."""
+        calls = in_callers_autocast(replicas, inputs[0][0].device.type)  # the device the batch was scattered to
+        return parallel_apply(calls, inputs, kwargs, self.device_ids[: len(replicas)])
 
 
-class FunctionalDataParallel(nn.Module):
-    """What ``nn.DataParallel`` does on each forward, spelt out. Without devices it is a pass-through."""
-
-    def __init__(self, module: nn.Module, device_ids: list[int]) -> None:
-        super().__init__()
-        self.module, self.device_ids = module, device_ids
+class FunctionalDataParallel(DataParallel):
+    """What ``nn.DataParallel`` does on each forward, spelt out."""
 
     def forward(self, x):
         if not self.device_ids:
@@ -59,9 +51,6 @@ class FunctionalDataParallel(nn.Module):
         replicas = replicate(self.module, self.device_ids[: len(inputs)])  # the model, copied, every step
         outputs = self.parallel_apply(replicas, [(chunk,) for chunk in inputs])
         return gather(outputs, self.device_ids[0])  # everything back on the first device
-
-    def parallel_apply(self, replicas: list[nn.Module], inputs: list[tuple], kwargs=None) -> list:
-        return _parallel_apply(replicas, inputs, kwargs, self.device_ids)
 
 
 def data_parallel(model: nn.Module, device_ids: list[int], block: str, functional: bool) -> nn.Module:

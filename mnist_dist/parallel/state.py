@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from mnist_dist.parallel.ddp import DistributedDataParallel, broadcast_from
-from mnist_dist.parallel.dp import FunctionalDataParallel
+from mnist_dist.parallel.ddp import DistributedDataParallel
 
-# The wrappers that hold the model as their .module (FSDP2 shards the model in place instead).
-OUTER = (DistributedDataParallel, TorchDDP, nn.DataParallel, FunctionalDataParallel)
+# The wrappers that hold the model as their .module, dp.py's included (FSDP2 shards the model in place instead).
+OUTER = (DistributedDataParallel, TorchDDP, nn.DataParallel)
 
 
 def _dcp():
@@ -36,22 +34,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _plain_names(model: nn.Module) -> dict[str, str]:
     """torch's name for each parameter and buffer of ``unwrap(model)`` -> the plain model's. torch drops only its
     own DDP's ``module.``; a wrapper around a submodule (dp_block) keeps it, so it is dropped here."""
-    inner = [f"{name}." for name, m in model.named_modules() if name and isinstance(m, OUTER)]
+    inner = [f"{name}.module." for name, m in model.named_modules() if name and isinstance(m, OUTER)]
     names = {}
-    for key in model.state_dict():
-        plain = key
-        for prefix in inner:
-            if plain.startswith(prefix + "module."):
-                plain = prefix + plain[len(prefix + "module.") :]
-        names[key] = plain
+    for key in model.state_dict():  # features.module.0.weight -> features.0.weight
+        prefix = next((p for p in inner if key.startswith(p)), "")
+        names[key] = prefix.removesuffix("module.") + key.removeprefix(prefix)
     return names
-
-
-def buffers_from_rank0(model: nn.Module) -> None:
-    """Every rank takes rank 0's buffers of ``model`` (any wrapper, or none): the BatchNorm statistics a
-    checkpoint saves, where each rank's last forward updated its own. Nothing in one process."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        broadcast_from(list(model.buffers()))
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
