@@ -20,9 +20,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch import nn
 
 from mnist_dist.modes import MODES, compile_refusal
-from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
-from mnist_dist.topology import Topology
+from mnist_dist.topology import Topology, launcher
 
 Amp = StrEnum("Amp", ["off", "bf16", "fp16"])  # autocast for forward and loss; fp16 adds a GradScaler
 Device = StrEnum("Device", ["auto", "cuda", "cpu"])  # auto: cuda when available

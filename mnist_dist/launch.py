@@ -12,10 +12,9 @@ from mnist_dist.config import Config, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
-from mnist_dist.operations.environment import launcher
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
-from mnist_dist.topology import Topology, from_env, resolve, setup_process
+from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
 from mnist_dist.train import train
 
 __all__ = ["launch", "WorkerFailed"]
