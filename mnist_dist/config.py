@@ -95,7 +95,7 @@ _RANGES = {  # inclusive
 
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets once the job's topology is known, before any worker starts. Checked elsewhere: the
-    devices (topology), the data's size (data), a checkpoint (compatibility)."""
+    devices (topology), the data's size (data), a resume (checkpoint)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size

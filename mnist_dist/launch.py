@@ -11,7 +11,7 @@ from pathlib import Path
 from mnist_dist.config import Config, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
-from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
+from mnist_dist.operations import checkpoint, preemption, rundir
 from mnist_dist.parallel import WorkerFailed, spawn
 from mnist_dist.parallel.spawn import die_with_parent
 from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
@@ -49,7 +49,7 @@ def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None
     if by:
         cfg.gpus = topology.world_size  # what runs, as config.yaml records it
     if saved:
-        compatibility.check_resumable(saved, cfg)
+        checkpoint.check_resumable(saved, cfg)
     data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
     check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
     if topology.rank == 0:
@@ -87,6 +87,6 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Confi
         return cfg, run_dir, None
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
-    cfg = compatibility.resumed_config(state, cfg, overrides)
+    cfg = checkpoint.resumed_config(state, cfg, overrides)
     cfg.resume = str(path)
     return cfg, path.parent, state  # the run goes on in its own directory
