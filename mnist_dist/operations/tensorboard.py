@@ -30,15 +30,11 @@ LAYOUT = {
 }
 
 
-def tb_dir(run_dir: Path) -> Path:
-    return run_dir / "tb"
-
-
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})  # 0: every event, not a sample
     events.Reload()
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
@@ -63,12 +59,11 @@ class Scalars:
     fresh run, anything) is purged: one run, not two merged."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
-        self.directory, self.rank = tb_dir(run_dir), rank
+        self.directory, self.rank = run_dir / "tb", rank
         self.purge_step = 0 if resumed_step is None else resumed_step + 1
         self.writer: SummaryWriter | None = None
 
     def add(self, step: int, **tags: float) -> None:
-        """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
         if self.rank == 0 and self.writer is None:
             self.writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
             self.writer.add_custom_scalars(LAYOUT)
