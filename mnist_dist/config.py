@@ -100,16 +100,10 @@ def validate(cfg: Config, topology: Topology) -> None:
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
     if by and cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
-        raise ConfigError(
-            f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
-            f"gpus={size})"
-        )
+        raise ConfigError(f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out")
     if by and not mode.per_device:
-        raise ConfigError(
-            f"{by} starts {size} processes but mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
-        )
-    most = mode.max_gpus
-    if most and cfg.gpus > most:
+        raise ConfigError(f"{by} started {size} processes, mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp")
+    if (most := mode.max_gpus) and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={mode.name} uses at most {most} devices; use gpus={most}")
     if refusal := compile_refusal(cfg, topology.device_type):
         raise ConfigError(refusal)
