@@ -1,6 +1,5 @@
 """Where a job runs (as torchtitan's ``ParallelDims``): the mode, the device, how many processes and which one this
-is; from the config in the parent (``resolve``), in a worker from the variables of its launcher (``from_env``):
-torchrun's, srun's, or spawn's, which are torchrun's."""
+is; from the config in the parent (``resolve``), from its launcher's variables in a worker (``from_env``)."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ def launched_rank() -> int:
 
 
 def from_env(cfg: Config) -> Topology:
-    """This process's topology from its launcher's variables."""
+    """This process's topology from torchrun's variables (which spawn sets too) or srun's."""
     env, by = os.environ, launcher()
     if by == "srun":
         rank, size, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
@@ -113,7 +112,6 @@ def device_type(requested: str, needed: int, what: str = "this", fix: str = "pas
 
 
 def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> None:
-    """Sets up this process for ``topology``: threads, kernels, device, process group."""
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
