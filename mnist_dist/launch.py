@@ -12,8 +12,7 @@ from mnist_dist.config import Config, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, preemption, rundir
-from mnist_dist.parallel import WorkerFailed, spawn
-from mnist_dist.parallel.spawn import die_with_parent
+from mnist_dist.parallel.spawn import WorkerFailed, die_with_parent, spawn
 from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
 from mnist_dist.train import train
 
@@ -77,8 +76,7 @@ def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> d
 
 
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
-    """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run).
-    ``auto``: ``run_dir``'s newest readable checkpoint, if any: a torchrun restart or a SLURM requeue runs again."""
+    """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run)."""
     if cfg.resume == "auto":
         found = checkpoint.newest_readable(run_dir)
         cfg.resume = str(found) if found else ""

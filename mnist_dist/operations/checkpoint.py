@@ -73,8 +73,7 @@ def load(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged, since a
-    torchrun restart or a SLURM requeue runs the same command again); None when there is none."""
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged); or None."""
     skipped = []
     for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
         try:
@@ -133,9 +132,8 @@ def _trained_with(model: dict, batch_size: int, data: str) -> dict:
 
 
 def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses, before anything is written, a resume with another model, global batch or data (unless told to);
-    another mode or world size is said in one line. A checkpoint that does not fit the model, optimizer or amp
-    fails as the worker loads it, before it writes anything."""
+    """Refuses, before anything is written, a resume with another model, global batch or data (unless told to). A
+    checkpoint that does not fit the model, optimizer or amp fails as the worker loads it, before it writes anything."""
     saved = saved_config(state)
     before = _trained_with(saved["model"], saved["batch_size"], saved["data"]["name"])
     after = _trained_with(cfg.model, cfg.batch_size, cfg.data.name)
