@@ -125,8 +125,7 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        shown = float(lr) if isinstance(lr, (int, float)) else lr  # optim.lr=abc: said as it is
-        raise ConfigError(f"optim.lr={shown} must be a finite positive number")
+        raise ConfigError(f"optim.lr={lr} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
