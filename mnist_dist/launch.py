@@ -24,44 +24,40 @@ log = logging.getLogger("mnist_dist")
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
     """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: the command line's, what a resume
     changes in the checkpoint's config."""
-    # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
-    with preemption.installed(cfg.dist.timeout_s) if launcher() else nullcontext():
-        return _launch(cfg, run_dir, overrides)
-
-
-def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None:
     by, asked, fresh = launcher(), cfg.gpus, not cfg.resume
-    if by:
-        die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
-        topology = from_env(cfg)
-        if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+    # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
+    with preemption.installed(cfg.dist.timeout_s) if by else nullcontext():
+        if by:
+            die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
+            topology = from_env(cfg)
+            if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+                validate(cfg, topology)
+            setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
+            run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
+        cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
+        if by:
+            cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
+        else:
+            topology = resolve(cfg)
+        if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
             validate(cfg, topology)
-        setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
-        run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
-    cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
-    if by:
-        cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
-    else:
-        topology = resolve(cfg)
-    if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
-        validate(cfg, topology)
-    if by:
-        cfg.gpus = topology.world_size  # what runs, as config.yaml records it
-    if saved:
-        checkpoint.check_resumable(saved, cfg)
-    data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
-    check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
-    if topology.rank == 0:
-        log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
-    if by:
-        return train(cfg, run_dir, data_dir, topology)
-    if not MODES[cfg.mode.name].per_device:
-        return _worker(cfg, run_dir, data_dir, topology)
-    # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
-    # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
-    start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
-    return None
+        if by:
+            cfg.gpus = topology.world_size  # what runs, as config.yaml records it
+        if saved:
+            checkpoint.check_resumable(saved, cfg)
+        data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
+        check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+        if topology.rank == 0:
+            log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
+        if by:
+            return train(cfg, run_dir, data_dir, topology)
+        if not MODES[cfg.mode.name].per_device:
+            return _worker(cfg, run_dir, data_dir, topology)
+        # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
+        # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
+        start = "forkserver" if topology.device_type == "cpu" else "spawn"
+        spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
+        return None
 
 
 def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path) -> None:
