@@ -108,7 +108,6 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_di
 
 
 def die_with_parent() -> None:
-    """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op):
-    it would otherwise train on with nobody to report to, or hang in a collective."""
+    """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
