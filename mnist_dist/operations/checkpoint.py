@@ -55,9 +55,7 @@ def locate(resume: str) -> Path:
     if path.is_dir():
         path = path / NEWEST
     if not path.is_file():
-        raise ConfigError(
-            f"resume={resume}: no checkpoint there; pass a run directory that holds {NEWEST}, or the file itself"
-        )
+        raise ConfigError(f"resume={resume}: no checkpoint there; pass a {NEWEST} or the run directory that holds one")
     return path
 
 
