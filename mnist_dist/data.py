@@ -58,8 +58,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                     _fetch(name, source, raw)
                     log.info("%s: got the IDX files from %s", name, source)
                     return raw
-                # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
-                # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+                # a file or URL not there (URLError is an OSError), a failed md5 (ours too: RuntimeError), a broken .gz
                 except (OSError, RuntimeError, EOFError, zlib.error) as e:
                     tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
     raise DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
