@@ -37,9 +37,8 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        if self.device_type != "cuda":
-            return torch.device("cpu")
-        return torch.device(f"cuda:{0 if self.own_gpu else self.local_rank}")
+        cuda = f"cuda:{0 if self.own_gpu else self.local_rank}"
+        return torch.device(cuda if self.device_type == "cuda" else "cpu")
 
     @property
     def devices(self) -> list[torch.device]:
