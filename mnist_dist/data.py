@@ -1,7 +1,6 @@
-"""MNIST / Fashion-MNIST on disk and on the device. ``prepare`` runs once, in the launching process; workers read the
-IDX files with ``load_split``, which needs no network (importing torchvision would cost every worker seconds). A
-global batch is a slice of one seeded permutation per epoch and rank r takes the r-th of its ``world_size`` equal
-parts, so the mean of the ranks' gradients is the single process's of that batch. The last incomplete one is dropped."""
+"""MNIST / Fashion-MNIST: ``prepare`` gets the files in the launching process; workers read them with ``load_split``,
+without torchvision (seconds of import each). A global batch is a slice of one seeded permutation per epoch, rank r
+taking the r-th of ``world_size`` equal parts, so the ranks' mean gradient is one process's; no partial batch runs."""
 
 from __future__ import annotations
 
