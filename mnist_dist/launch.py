@@ -22,8 +22,7 @@ log = logging.getLogger("mnist_dist")
 
 
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
-    """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: the command line's, what a resume
-    changes in the checkpoint's config."""
+    """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: Hydra's, what a resume changes."""
     by, asked, fresh = launcher(), cfg.gpus, not cfg.resume
     # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
     with preemption.installed(cfg.dist.timeout_s) if by else nullcontext():

@@ -102,9 +102,8 @@ def saved_config(state: dict) -> dict:
 
 
 def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> Config:
-    """The checkpoint's own config, with the settings this command's ``overrides`` (Hydra's) name taken from
-    ``cfg``. A group they choose (``model=fastnet``) is the command's whole; so is everything for ``recipe=``,
-    whose package is the whole config."""
+    """The checkpoint's config with the settings that ``overrides`` (Hydra's) name taken from ``cfg``: a group chosen
+    (``model=fastnet``) whole, and everything for ``recipe=``, whose package is the whole config."""
     mine = asdict(cfg)
     keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
     try:
@@ -155,8 +154,7 @@ def check_resumable(state: dict, cfg: Config) -> None:
 
 @dataclass
 class Losses:
-    """This log window's training losses, on the device (no sync per step), and the newest good checkpoint,
-    which a divergence error names."""
+    """This log window's losses, on the device (no sync per step), and the last good checkpoint, named on divergence."""
 
     window: list[torch.Tensor] = field(default_factory=list)
     good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written, or resumed from
@@ -173,9 +171,8 @@ class Losses:
 
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
-    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
-    collective). Raises TrainingDiverged on a non-finite loss since the last check or non-finite weights (a
-    step's update can diverge while its loss was finite)."""
+    """Rank 0 saves what a resume needs after ``epoch`` epochs and ``epoch_step`` steps of the next (a collective);
+    raises TrainingDiverged on a non-finite loss since the last check, or on non-finite weights (whatever the loss)."""
     learner, meters, path = run.learner, run.meters, run.run_dir / NEWEST
     run.losses.check(run.step, run.topology.rank)
     # Collectives: fsdp gathers its shards; rank 0 keeps the full state.

@@ -40,8 +40,7 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def window_tags(gathered: list[list[float]]) -> dict[str, float]:
-    """One log window's tags from every rank's ``[loss, images, seconds]``, by rank: each rank's own, and the
-    mean loss and the job's images/s."""
+    """A log window's tags from each rank's ``[loss, images, seconds]``: per rank, the mean loss, the job's images/s."""
     tags = {}
     for rank, (loss, images, seconds) in enumerate(gathered):
         tags[f"rank_{rank}/train/loss"] = loss
