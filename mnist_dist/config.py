@@ -177,8 +177,7 @@ def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """A Hydra composition error in one line: its first and its cause's, which names the key (and the schema's keys),
-    or a group's options where a choice is none of them."""
+    """A Hydra composition error in one line: its and its cause's first lines, the schema's keys, a group's options."""
     if isinstance(error, MissingConfigException) and error.options is not None:  # mode=foo
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"
