@@ -160,8 +160,7 @@ def _check_model(model: dict) -> None:
 
 
 def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
-    """A key that ``+key=...`` added where a dataclass has none, which OmegaConf.to_object would drop silently
-    (model, optim and scheduler take any key: their constructors' arguments)."""
+    """Refuses a ``+key=`` where the schema has none, which to_object would drop (model, optim, scheduler take any)."""
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return
