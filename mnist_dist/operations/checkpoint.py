@@ -210,9 +210,8 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
 
 
 def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run`` (the
-    weights went into the plain model before it was wrapped). Clocks go on from rank 0's; counts and a split log
-    window from the rank's own, on as many ranks as the checkpoint's only (elsewhere each rank's share differs)."""
+    """Puts the rest of a checkpoint into ``run`` (the weights went into the plain model before it was wrapped). Clocks
+    go on from rank 0's; counts and a split log window from the rank's own, on the checkpoint's number of ranks only."""
     learner, meters, by_rank = run.learner, run.meters, resumed["meters"]
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])
