@@ -53,9 +53,8 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 
 
 class Scalars:
-    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
-    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (for a
-    fresh run, anything) is purged: one run, not two merged."""
+    """The run's TensorBoard directory with the chart layout, opened by rank 0's first write (a run that fails before it
+    logs leaves none). What an earlier attempt logged after ``resumed_step`` (fresh: anything) is purged: one run."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
         self.directory, self.rank = run_dir / "tb", rank
