@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from mnist_dist.config import Config, ConfigError, describe_hydra_error, refuse_unknown_keys
 from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.operations import checkpoint, preemption, rundir
-from mnist_dist.operations.environment import launched_rank, launcher
 from mnist_dist.operations.errors import DataError, describe, interrupted, last_resort
 from mnist_dist.step import TrainingDiverged
+from mnist_dist.topology import launched_rank, launcher
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mnist_dist.conf", config_name="config")

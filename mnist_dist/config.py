@@ -20,9 +20,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch import nn
 
 from mnist_dist.modes import MODES, compile_refusal
-from mnist_dist.operations.environment import launcher
 from mnist_dist.operations.errors import ConfigError
-from mnist_dist.topology import Topology
+from mnist_dist.topology import Topology, launcher
 
 Amp = StrEnum("Amp", ["off", "bf16", "fp16"])  # autocast for forward and loss; fp16 adds a GradScaler
 Device = StrEnum("Device", ["auto", "cuda", "cpu"])  # auto: cuda when available
@@ -96,21 +95,15 @@ _RANGES = {  # inclusive
 
 def validate(cfg: Config, topology: Topology) -> None:
     """Every check a setting gets once the job's topology is known, before any worker starts. Checked elsewhere: the
-    devices (topology), the data's size (data), a checkpoint (compatibility)."""
+    devices (topology), the data's size (data), a resume (checkpoint)."""
     _each_setting(cfg)  # first: the checks below compute with them
     _check_model(cfg.model)
     by, mode, size = launcher(), MODES[cfg.mode.name], topology.world_size
     if by and cfg.gpus not in (1, size):  # 1, the default: the launcher says how many
-        raise ConfigError(
-            f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out (or pass "
-            f"gpus={size})"
-        )
+        raise ConfigError(f"gpus={cfg.gpus}, but {by} started {size} processes, which is what runs; leave gpus= out")
     if by and not mode.per_device:
-        raise ConfigError(
-            f"{by} starts {size} processes but mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp"
-        )
-    most = mode.max_gpus
-    if most and cfg.gpus > most:
+        raise ConfigError(f"{by} started {size} processes, mode={mode.name} runs one; use mode=ddp, torch_ddp or fsdp")
+    if (most := mode.max_gpus) and cfg.gpus > most:
         raise ConfigError(f"gpus={cfg.gpus}: mode={mode.name} uses at most {most} devices; use gpus={most}")
     if refusal := compile_refusal(cfg, topology.device_type):
         raise ConfigError(refusal)
@@ -132,8 +125,7 @@ def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
         raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        shown = float(lr) if isinstance(lr, (int, float)) else lr  # optim.lr=abc: said as it is
-        raise ConfigError(f"optim.lr={shown} must be a finite positive number")
+        raise ConfigError(f"optim.lr={lr} must be a finite positive number")
     if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
@@ -168,8 +160,7 @@ def _check_model(model: dict) -> None:
 
 
 def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
-    """A key that ``+key=...`` added where a dataclass has none, which OmegaConf.to_object would drop silently
-    (model, optim and scheduler take any key: their constructors' arguments)."""
+    """Refuses a ``+key=`` where the schema has none, which to_object would drop (model, optim, scheduler take any)."""
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return
@@ -185,8 +176,7 @@ def refuse_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
 
 
 def describe_hydra_error(error: Exception) -> str:
-    """A Hydra composition error in one line: its first and its cause's, which names the key (and the schema's keys),
-    or a group's options where a choice is none of them."""
+    """A Hydra composition error in one line: its and its cause's first lines, the schema's keys, a group's options."""
     if isinstance(error, MissingConfigException) and error.options is not None:  # mode=foo
         group, choice = os.path.split(error.missing_cfg_file)
         return f"{group}={choice} is not an option; choose one of {', '.join(error.options)}"

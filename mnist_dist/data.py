@@ -1,7 +1,6 @@
-"""MNIST / Fashion-MNIST on disk and on the device. ``prepare`` runs once, in the launching process; workers read the
-IDX files with ``load_split``, which needs no network (importing torchvision would cost every worker seconds). A
-global batch is a slice of one seeded permutation per epoch and rank r takes the r-th of its ``world_size`` equal
-parts, so the mean of the ranks' gradients is the single process's of that batch. The last incomplete one is dropped."""
+"""MNIST / Fashion-MNIST: ``prepare`` gets the files in the launching process; workers read them with ``load_split``,
+without torchvision (seconds of import each). A global batch is a slice of one seeded permutation per epoch, rank r
+taking the r-th of ``world_size`` equal parts, so the ranks' mean gradient is one process's; no partial batch runs."""
 
 from __future__ import annotations
 
@@ -22,21 +21,13 @@ from mnist_dist.operations.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 _DATASETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}  # config name: torchvision class and folder
-# The md5 of each decompressed file: torchvision knows only the upstream .gz archives', and Debian's .gz files are
-# recompressed (other md5s, the same bytes inside). Fashion-MNIST's were computed from Debian's files.
+# Each decompressed file's md5, MNIST's and Fashion-MNIST's (as _DATASETS; the latter from Debian's files): torchvision
+# checks only the upstream .gz archives', and Debian's .gz files are recompressed (other md5s, the same bytes inside).
 _RAW_MD5 = {
-    "mnist": {
-        "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
-        "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
-        "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
-        "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
-    },
-    "fashion_mnist": {
-        "train-images-idx3-ubyte": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
-        "train-labels-idx1-ubyte": "9018921c3c673c538a1fc5bad174d6f9",
-        "t10k-images-idx3-ubyte": "8181f5470baa50b63fa0f6fddb340f0a",
-        "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
-    },
+    "train-images-idx3-ubyte": ("6bbc9ace898e44ae57da46a324031adb", "f4a8712d7a061bf5bd6d2ca38dc4d50a"),
+    "train-labels-idx1-ubyte": ("a25bea736e30d166cdddb491f175f624", "9018921c3c673c538a1fc5bad174d6f9"),
+    "t10k-images-idx3-ubyte": ("2646ac647ad5339dbf082846283269ea", "8181f5470baa50b63fa0f6fddb340f0a"),
+    "t10k-labels-idx1-ubyte": ("27ae3e4e09519cfbb04c329615203637", "15d484375f8d13e6eb1aabb0c3f46965"),
 }
 
 
@@ -66,8 +57,7 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
                     _fetch(name, source, raw)
                     log.info("%s: got the IDX files from %s", name, source)
                     return raw
-                # the network and torchvision (URLError is an OSError, a failed md5 a RuntimeError), a missing or
-                # unreadable file, a broken gzip stream, our md5 check (DataError, a RuntimeError)
+                # a file or URL not there (URLError is an OSError), a failed md5 (ours too: RuntimeError), a broken .gz
                 except (OSError, RuntimeError, EOFError, zlib.error) as e:
                     tried.append(f"{source} ({' '.join(str(e).split())})")  # one line, whatever e says
     raise DataError(  # offline, Debian's package is the usual way out: Fashion-MNIST, or instead of MNIST
@@ -78,12 +68,10 @@ def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
 
 
 def _complete(raw: Path) -> bool:
-    return all((raw / file).is_file() for file in _RAW_MD5["mnist"])  # the same four names in both
+    return all((raw / file).is_file() for file in _RAW_MD5)
 
 
 def _fetch(name: str, source: str, raw: Path) -> None:
-    """The four files of ``source`` into ``raw``: from a URL by torchvision's download, which checks the upstream
-    archives' md5s; from a folder (.gz or decompressed) once all four are ``name``'s by md5."""
     if source.startswith(("http://", "https://")):
         import torchvision.datasets  # in the parent only: it imports torch._dynamo, seconds of CPU
 
@@ -93,14 +81,13 @@ def _fetch(name: str, source: str, raw: Path) -> None:
         mirrored(raw.parent.parent, train=True, download=True)
         return
     folder, contents = Path(source).expanduser(), {}
-    for file, md5_want in _RAW_MD5[name].items():
+    for file, md5s in _RAW_MD5.items():
         gz = folder / f"{file}.gz"
         contents[file] = gzip.decompress(gz.read_bytes()) if gz.is_file() else (folder / file).read_bytes()
         md5 = hashlib.md5(contents[file]).hexdigest()
-        if md5 != md5_want:
-            known = [other for other, md5s in _RAW_MD5.items() if md5s[file] == md5]
+        if (owner := dict(zip(md5s, _DATASETS)).get(md5)) != name:
             raise DataError(
-                f"its {file} is {known[0]}'s, not {name}'s" if known else f"its {file} is not {name}'s (md5 {md5})"
+                f"its {file} is {owner}'s, not {name}'s" if owner else f"its {file} is not {name}'s (md5 {md5})"
             )
     raw.mkdir(parents=True, exist_ok=True)
     for file, content in contents.items():

@@ -11,11 +11,9 @@ from pathlib import Path
 from mnist_dist.config import Config, validate
 from mnist_dist.data import check_batch_fits, prepare
 from mnist_dist.modes import MODES
-from mnist_dist.operations import checkpoint, compatibility, preemption, rundir
-from mnist_dist.operations.environment import launcher
-from mnist_dist.parallel import WorkerFailed, spawn
-from mnist_dist.parallel.spawn import die_with_parent
-from mnist_dist.topology import Topology, from_env, resolve, setup_process
+from mnist_dist.operations import checkpoint, preemption, rundir
+from mnist_dist.parallel.spawn import WorkerFailed, die_with_parent, spawn
+from mnist_dist.topology import Topology, from_env, launcher, resolve, setup_process
 from mnist_dist.train import train
 
 __all__ = ["launch", "WorkerFailed"]
@@ -24,46 +22,41 @@ log = logging.getLogger("mnist_dist")
 
 
 def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | None:
-    """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: the command line's, what a resume
-    changes in the checkpoint's config."""
-    # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
-    with preemption.installed(cfg.dist.timeout_s) if launcher() else nullcontext():
-        return _launch(cfg, run_dir, overrides)
-
-
-def _launch(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> dict | None:
+    """Runs the job; returns rank 0's results (None in spawned mode). ``overrides``: Hydra's, what a resume changes."""
     by, asked, fresh = launcher(), cfg.gpus, not cfg.resume
-    if by:
-        die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
-        topology = from_env(cfg)
-        if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+    # Under a launcher this process is a rank: a signal stops it at a step boundary, with a checkpoint.
+    with preemption.installed(cfg.dist.timeout_s) if by else nullcontext():
+        if by:
+            die_with_parent()  # torchrun's agent: a worker whose agent was killed must not train on alone
+            topology = from_env(cfg)
+            if fresh:  # before the rendezvous: a refused rank must not wait dist.timeout_s for its peers
+                validate(cfg, topology)
+            setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
+            run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
+        cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
+        if by:
+            cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
+        else:
+            topology = resolve(cfg)
+        if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
             validate(cfg, topology)
-        setup_process(topology, cfg.deterministic, cfg.dist.timeout_s, cfg.tf32)  # rank 0 names the directory:
-        run_dir = rundir.on_this_node(run_dir)  # its Hydra chose it (see __main__); each node creates it
-    cfg, run_dir, saved = _resume(cfg, run_dir, overrides)
-    if by:
-        cfg.gpus = asked  # the launcher says how many ranks run, not the checkpoint
-    else:
-        topology = resolve(cfg)
-    if not (by and fresh):  # once, on the config that runs (a resume's: the checkpoint's own)
-        validate(cfg, topology)
-    if by:
-        cfg.gpus = topology.world_size  # what runs, as config.yaml records it
-    if saved:
-        compatibility.check_resumable(saved, cfg)
-    data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
-    check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
-    if topology.rank == 0:
-        log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
-    if by:
-        return train(cfg, run_dir, data_dir, topology)
-    if not MODES[cfg.mode.name].per_device:
-        return _worker(cfg, run_dir, data_dir, topology)
-    # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
-    # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
-    start = "forkserver" if topology.device_type == "cpu" else "spawn"
-    spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
-    return None
+        if by:
+            cfg.gpus = topology.world_size  # what runs, as config.yaml records it
+        if saved:
+            checkpoint.check_resumable(saved, cfg)
+        data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
+        check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
+        if topology.rank == 0:
+            log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
+        if by:
+            return train(cfg, run_dir, data_dir, topology)
+        if not MODES[cfg.mode.name].per_device:
+            return _worker(cfg, run_dir, data_dir, topology)
+        # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
+        # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
+        start = "forkserver" if topology.device_type == "cpu" else "spawn"
+        spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
+        return None
 
 
 def _spawned_worker(rank: int, size: int, cfg: Config, run_dir: Path, data_dir: Path) -> None:
@@ -78,8 +71,7 @@ def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> d
 
 
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
-    """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run).
-    ``auto``: ``run_dir``'s newest readable checkpoint, if any: a torchrun restart or a SLURM requeue runs again."""
+    """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run)."""
     if cfg.resume == "auto":
         found = checkpoint.newest_readable(run_dir)
         cfg.resume = str(found) if found else ""
@@ -88,6 +80,6 @@ def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Confi
         return cfg, run_dir, None
     path = checkpoint.locate(cfg.resume)
     state = checkpoint.load(path)
-    cfg = compatibility.resumed_config(state, cfg, overrides)
+    cfg = checkpoint.resumed_config(state, cfg, overrides)
     cfg.resume = str(path)
     return cfg, path.parent, state  # the run goes on in its own directory

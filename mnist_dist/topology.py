@@ -1,9 +1,10 @@
 """Where a job runs (as torchtitan's ``ParallelDims``): the mode, the device, how many processes and which one this
-is; from the config in the parent (``resolve``), from the launcher's variables in a worker (``from_env``)."""
+is; from the config in the parent (``resolve``), from its launcher's variables in a worker (``from_env``)."""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -12,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from mnist_dist.modes import MODES, world_size
-from mnist_dist.operations.environment import first_node, launched_ranks, launcher
 from mnist_dist.operations.errors import ConfigError
 
 if TYPE_CHECKING:
     from mnist_dist.config import Config  # which imports this module: config.validate checks a Topology
+
+# SLURM_STEP_ID: only srun's tasks have it; sbatch exports the others to the batch script itself.
+_SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST", "SLURM_STEP_ID")
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,8 @@ class Topology:
 
     @property
     def device(self) -> torch.device:
-        if self.device_type != "cuda":
-            return torch.device("cpu")
-        return torch.device(f"cuda:{0 if self.own_gpu else self.local_rank}")
+        cuda = f"cuda:{0 if self.own_gpu else self.local_rank}"
+        return torch.device(cuda if self.device_type == "cuda" else "cpu")
 
     @property
     def devices(self) -> list[torch.device]:
@@ -54,13 +56,35 @@ def resolve(cfg: Config) -> Topology:
     return _topology(cfg, kind, world_size(cfg), local_world_size=world_size(cfg))
 
 
+def launcher() -> str:
+    """Who started this process: torchrun, srun (more than one task), or "" (this process starts the workers)."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # also torchrun inside srun
+        return "torchrun"
+    if all(key in os.environ for key in _SLURM) and int(os.environ["SLURM_NTASKS"]) > 1:
+        return "srun"
+    return ""
+
+
+def launched_rank() -> int:
+    """This worker's rank as torchrun or srun set it; 0 where this process starts the workers itself."""
+    by = launcher()
+    return int(os.environ["SLURM_PROCID" if by == "srun" else "RANK"]) if by else 0
+
+
 def from_env(cfg: Config) -> Topology:
-    """This process's topology from its launcher's variables (torchrun's, srun's, or spawn's as torchrun's)."""
+    """This process's topology from torchrun's variables (which spawn sets too) or srun's."""
     env, by = os.environ, launcher()
-    rank, size, local_rank, local_size = launched_ranks()
-    if by == "srun":  # env://: rank 0 serves the store, where the batch script says, else on the first node
-        env.setdefault("MASTER_ADDR", first_node(env["SLURM_NODELIST"]))
-        env.setdefault("MASTER_PORT", "29500")  # torchrun's default port
+    if by == "srun":
+        rank, size, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+        local_size = int(env.get("SLURM_NTASKS_PER_NODE") or size // int(env.get("SLURM_NNODES", "1")))
+        # env://: rank 0 serves the store where the batch script says, else on the first node of the list
+        # (``a`` of ``a,b``, ``node03`` of ``node[03-05,9]``), at torchrun's default port.
+        node, bracket = re.match(r"([^,\[]*)(?:\[([^,\-\]]+))?", env["SLURM_NODELIST"]).groups()
+        env.setdefault("MASTER_ADDR", node + (bracket or ""))
+        env.setdefault("MASTER_PORT", "29500")
+    else:
+        rank, size, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+        local_size = int(env["LOCAL_WORLD_SIZE"])
     own_gpu = by == "srun" and local_size > 1 and torch.cuda.device_count() == 1  # each task sees one GPU
     needed = 1 if own_gpu else local_size
     kind = device_type(cfg.device, needed, f"{local_size} processes per node", "start fewer, or pass device=cpu")
@@ -87,7 +111,6 @@ def device_type(requested: str, needed: int, what: str = "this", fix: str = "pas
 
 
 def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf32: bool = False) -> None:
-    """Sets up this process for ``topology``: threads, kernels, device, process group."""
     if topology.device_type == "cpu" and topology.local_world_size > 1:
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist.config import validate
-from mnist_dist.operations.tensorboard import read_scalars, tb_dir
+from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.parallel import spawn
 from mnist_dist.topology import resolve
 
@@ -44,7 +44,7 @@ def validate_here(cfg) -> None:
 
 
 def events(run_dir: Path) -> EventAccumulator:
-    accumulator = EventAccumulator(str(tb_dir(run_dir)))
+    accumulator = EventAccumulator(str(run_dir / "tb"))
     accumulator.Reload()
     return accumulator
 

@@ -20,7 +20,7 @@ from helpers import compose_config
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import _resume, launch
-from mnist_dist.operations import checkpoint, compatibility, files, results
+from mnist_dist.operations import checkpoint, files, results
 from mnist_dist.operations.errors import setup_logging
 from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.step import TrainingDiverged
@@ -195,7 +195,7 @@ def test_a_resume_in_another_mode_or_on_other_ranks_says_so_in_one_line(tiny_roo
     overrides = ("epochs=2", f"resume={kept}", "mode=ddp", "gpus=2")
     cfg, _, saved = _resume(compose_config(tiny_root, *SHORT, *overrides), kept, overrides)
     caplog.set_level(logging.INFO, logger="mnist_dist")
-    compatibility.check_resumable(saved, cfg)
+    checkpoint.check_resumable(saved, cfg)
     assert [line for line in caplog.messages if line.startswith("resuming")] == [
         "resuming with mode=ddp on 2 ranks a checkpoint written with mode=single on 1"
     ]

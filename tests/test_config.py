@@ -117,7 +117,7 @@ def test_cli_composition_error_is_one_line_and_leaves_no_run_dir(tmp_path):
         (["checkpoint_every_steps=-1"], "checkpoint_every_steps=-1 must be at least 0"),
         (["seed=-1"], "seed=-1 must be from 0 to 4294967295"),
         (["seed=4294967296"], "seed=4294967296 must be from 0 to 4294967295"),
-        (["optim.lr=0"], "optim.lr=0.0 must be a finite positive number"),
+        (["optim.lr=0"], "optim.lr=0 must be a finite positive number"),
         (["optim.lr=abc"], "optim.lr=abc must be a finite positive number"),
         (["optim.lr=nan"], "optim.lr=nan must be a finite positive number"),
         (["label_smoothing=nan"], "label_smoothing=nan must be in [0, 1)"),

@@ -16,7 +16,6 @@ from helpers import HANG_S, command, scalars, srun
 from mnist_dist import __main__ as command_line
 from mnist_dist.operations import checkpoint
 from mnist_dist.operations.preemption import REQUEUE
-from mnist_dist.operations.tensorboard import tb_dir
 
 TINY = ["data.mirrors=[]", "progress=false", "epochs=1", "batch_size=32"]
 
@@ -43,7 +42,7 @@ def assert_complete_run(run_dir: Path, mode: str, ranks: int) -> dict:
     for rank in range(ranks):
         assert "ddp on cpu" in (run_dir / f"rank_{rank}.log").read_text()
     # One TensorBoard run, written by rank 0, with every rank's numbers and no more.
-    assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {tb_dir(run_dir)}
+    assert {path.parent for path in run_dir.rglob("events.out.tfevents.*")} == {run_dir / "tb"}
     ranks_logged = {tag.split("/")[0] for tag in scalars(run_dir) if tag.startswith("rank_")}
     assert ranks_logged == {f"rank_{rank}" for rank in range(ranks)}
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "model.pt").exists()

@@ -9,7 +9,7 @@ import pytest
 from helpers import events
 
 from mnist_dist import __main__ as command
-from mnist_dist.operations.tensorboard import LAYOUT, tb_dir
+from mnist_dist.operations.tensorboard import LAYOUT
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
@@ -29,7 +29,7 @@ def test_a_sweep_gives_one_comparable_run_per_mode(tiny_root, tmp_path, monkeypa
     for run in (single, ddp):  # each run says its own directory (rank 0's log: what its console showed)
         assert f" INFO run directory: {run}\n" in (run / "rank_0.log").read_text()
     # TensorBoard's run list: one run per mode, i.e. event files in <run>/tb and nowhere else.
-    assert {path.parent for path in sweep.rglob("events.out.tfevents.*")} == {tb_dir(ddp), tb_dir(single)}
+    assert {path.parent for path in sweep.rglob("events.out.tfevents.*")} == {ddp / "tb", single / "tb"}
     written, tensors = (set(events(ddp).Tags()[kind]) for kind in ("scalars", "tensors"))
     assert written >= GLOBAL_TAGS | {"rank_0/train/loss", "rank_1/train/loss"}
     assert "custom_scalars__config__" in tensors

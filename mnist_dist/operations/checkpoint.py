@@ -1,7 +1,7 @@
-"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one. Written whole or not at all, the
-previous one kept as ``checkpoint.1.pt``; never from weights that are not finite; read with
+"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and what a resume runs with. Written
+whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite; read with
 ``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through parallel/state.py,
-keyed by the plain model's names in every mode."""
+keyed by the plain model's names in every mode. A resume is checked in the parent, before anything is written."""
 
 from __future__ import annotations
 
@@ -10,13 +10,18 @@ import logging
 import os
 import pickle
 import random
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import yaml
+from omegaconf import OmegaConf
 
+from mnist_dist.config import Config
+from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel import state
@@ -50,9 +55,7 @@ def locate(resume: str) -> Path:
     if path.is_dir():
         path = path / NEWEST
     if not path.is_file():
-        raise ConfigError(
-            f"resume={resume}: no checkpoint there; pass a run directory that holds {NEWEST}, or the file itself"
-        )
+        raise ConfigError(f"resume={resume}: no checkpoint there; pass a {NEWEST} or the run directory that holds one")
     return path
 
 
@@ -68,8 +71,7 @@ def load(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged, since a
-    torchrun restart or a SLURM requeue runs the same command again); None when there is none."""
+    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged); or None."""
     skipped = []
     for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
         try:
@@ -87,10 +89,72 @@ def newest_readable(run_dir: Path) -> Path | None:
     return None
 
 
+REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
+
+
+def saved_config(state: dict) -> dict:
+    """The checkpoint's config as plain data (``yaml.safe_load``), never through OmegaConf, whose interpolations
+    and resolvers (``${oc.env:...}``) a crafted file would run: one is refused."""
+    saved = yaml.safe_load(state["config"])
+    if "${" in str(saved):
+        raise ConfigError(REFUSED)
+    return saved
+
+
+def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> Config:
+    """The checkpoint's config with the settings that ``overrides`` (Hydra's) name taken from ``cfg``: a group chosen
+    (``model=fastnet``) whole, and everything for ``recipe=``, whose package is the whole config."""
+    mine = asdict(cfg)
+    keys = {arg.lstrip("~+").split("=", 1)[0] for arg in overrides}
+    try:
+        saved = saved_config(state)
+        for key in mine if "recipe" in keys else [key for key in keys if key.split(".")[0] in mine]:  # not hydra.*
+            *parents, last = key.split(".")
+            source, target = mine, saved
+            for parent in parents:
+                source, target = source.get(parent, {}), target.setdefault(parent, {})
+            if last in source:
+                target[last] = source[last]
+            else:  # ~model.dropout
+                target.pop(last, None)
+        name = saved["mode"]["name"]
+        conf = OmegaConf.structured(Config(mode=MODES[name].schema(name=name)))
+        return OmegaConf.to_object(OmegaConf.merge(conf, saved))  # typed: a wrong type or unknown key fails
+    except Exception:  # no config, not YAML, not a mapping, a key missing, a value of another type
+        raise ConfigError(REFUSED) from None
+
+
+def _trained_with(model: dict, batch_size: int, data: str) -> dict:
+    return {**{f"model.{key}": value for key, value in model.items()}, "batch_size": batch_size, "data.name": data}
+
+
+def check_resumable(state: dict, cfg: Config) -> None:
+    """Refuses, before anything is written, a resume with another model, global batch or data (unless told to). A
+    checkpoint that does not fit the model, optimizer or amp fails as the worker loads it, before it writes anything."""
+    saved = saved_config(state)
+    before = _trained_with(saved["model"], saved["batch_size"], saved["data"]["name"])
+    after = _trained_with(cfg.model, cfg.batch_size, cfg.data.name)
+    changed = [key for key in {**before, **after} if before.get(key) != after.get(key)]
+    if changed and not cfg.resume_allow_changes:
+        changes = "; ".join(f"{key} {before.get(key)!r} -> {after.get(key)!r}" for key in changed)
+        raise ConfigError(
+            f"resume: this command changes what the checkpoint was trained with ({changes}); leave that out to go on "
+            "with the run's own, or add resume_allow_changes=true if it is intended"
+        )
+    if state["epoch"] >= cfg.epochs:
+        raise ConfigError(
+            f"resume: the checkpoint has finished epoch {state['epoch']} of {cfg.epochs}; "
+            f"pass epochs={state['epoch'] + 1} or more to train further"
+        )
+    # Another mode or world size is no change, only said: the global batches, and so the training, are the same.
+    now, then = (cfg.mode.name, world_size(cfg)), (saved["mode"]["name"], state["world_size"])
+    if now != then:
+        log.info("resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d", *now, *then)
+
+
 @dataclass
 class Losses:
-    """This log window's training losses, on the device (no sync per step), and the newest good checkpoint,
-    which a divergence error names."""
+    """This log window's losses, on the device (no sync per step), and the last good checkpoint, named on divergence."""
 
     window: list[torch.Tensor] = field(default_factory=list)
     good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written, or resumed from
@@ -107,9 +171,8 @@ class Losses:
 
 
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
-    """Rank 0 saves everything a resume needs, after ``epoch`` epochs and ``epoch_step`` steps of the next (a
-    collective). Raises TrainingDiverged on a non-finite loss since the last check or non-finite weights (a
-    step's update can diverge while its loss was finite)."""
+    """Rank 0 saves what a resume needs after ``epoch`` epochs and ``epoch_step`` steps of the next (a collective);
+    raises TrainingDiverged on a non-finite loss since the last check, or on non-finite weights (whatever the loss)."""
     learner, meters, path = run.learner, run.meters, run.run_dir / NEWEST
     run.losses.check(run.step, run.topology.rank)
     # Collectives: fsdp gathers its shards; rank 0 keeps the full state.
@@ -147,9 +210,8 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
 
 
 def restore(run: Run, resumed: dict) -> None:
-    """Puts a checkpoint's optimizer, scheduler, loss scale, random state, meters and position into ``run`` (the
-    weights went into the plain model before it was wrapped). Clocks go on from rank 0's; counts and a split log
-    window from the rank's own, on as many ranks as the checkpoint's only (elsewhere each rank's share differs)."""
+    """Puts the rest of a checkpoint into ``run`` (the weights went into the plain model before it was wrapped). Clocks
+    go on from rank 0's; counts and a split log window from the rank's own, on the checkpoint's number of ranks only."""
     learner, meters, by_rank = run.learner, run.meters, resumed["meters"]
     state.load_optimizer_state(learner.model, learner.optimizer, resumed["optimizer"])
     learner.scheduler.load_state_dict(resumed["scheduler"])

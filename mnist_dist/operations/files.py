@@ -16,7 +16,6 @@ def atomic(target: Path) -> Iterator[BinaryIO]:
     """Yields a temp file beside ``target`` that replaces it, on disk, once the body returns: a crash or a signal at
     any moment leaves the old file or the new one, whole. An OSError names ``target`` (a write to a descriptor names
     no file). A write killed by a signal leaves its temp file: the next write of the same target removes it."""
-    target = Path(target)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
         stale.unlink(missing_ok=True)
     temp = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"

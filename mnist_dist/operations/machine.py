@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-# bf16 autocast pays off on a CPU only with these: AVX-512 BF16, or AMX tiles and their bf16 matrix multiply.
+# bf16 autocast pays off on a CPU only with AVX-512 BF16 or AMX's bf16 matmul (native_bf16); else torch emulates it.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def native_bf16(cpu_flags: list[str]) -> bool:
-    """Whether a CPU with these flags computes bf16 in hardware (else torch emulates it, slower than fp32)."""
     return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags
 
 

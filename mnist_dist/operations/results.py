@@ -25,6 +25,8 @@ log = logging.getLogger("mnist_dist")
 def finish(run: Run, wall_time_s: float) -> dict:
     """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
     cfg, topology, meters, score = run.cfg, run.topology, run.meters, run.score
+    # every rank's [images, seconds, MiB of parameters, gradients and optimizer state after a step: shards in fsdp]
+    by_rank = all_gather([meters.throughput.total_images, meters.throughput.total_seconds, meters.state_bytes / 2**20])
     results = {
         "mode": cfg.mode.name,  # the choice (dp_block, not dp)
         "world_size": topology.world_size,
@@ -40,12 +42,9 @@ def finish(run: Run, wall_time_s: float) -> dict:
         "time_to_target_s": score.time_to_target_s,
         "train_time_s": meters.train_time.seconds,
         "eval_time_s": meters.eval_time.seconds,
-        "train_images_per_s": job_images_per_s(
-            all_gather([meters.throughput.total_images, meters.throughput.total_seconds])
-        ),
+        "train_images_per_s": job_images_per_s([row[:2] for row in by_rank]),
         "wall_time_s": wall_time_s,
-        # Parameters, gradients and optimizer state each rank held after a step, from their storage: shards in fsdp.
-        "model_state_mib": [mib for (mib,) in all_gather([meters.state_bytes / 2**20])],
+        "model_state_mib": [row[2] for row in by_rank],
         "machine": machine.describe(),  # rank 0's view: its torch threads, after the CPU was shared
     }
     saved_model = model_state(run.learner.model)  # a collective in fsdp

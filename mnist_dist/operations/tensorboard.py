@@ -30,22 +30,17 @@ LAYOUT = {
 }
 
 
-def tb_dir(run_dir: Path) -> Path:
-    return run_dir / "tb"
-
-
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tb_dir(run_dir)), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})  # 0: every event, not a sample
     events.Reload()
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def window_tags(gathered: list[list[float]]) -> dict[str, float]:
-    """One log window's tags from every rank's ``[loss, images, seconds]``, by rank: each rank's own, and the
-    mean loss and the job's images/s."""
+    """A log window's tags from each rank's ``[loss, images, seconds]``: per rank, the mean loss, the job's images/s."""
     tags = {}
     for rank, (loss, images, seconds) in enumerate(gathered):
         tags[f"rank_{rank}/train/loss"] = loss
@@ -58,17 +53,15 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 
 
 class Scalars:
-    """The run's TensorBoard directory with the chart layout, opened at the first write (a run that fails before it
-    logs leaves none); a no-op on ranks other than 0. What an earlier attempt logged after ``resumed_step`` (for a
-    fresh run, anything) is purged: one run, not two merged."""
+    """The run's TensorBoard directory with the chart layout, opened by rank 0's first write (a run that fails before it
+    logs leaves none). What an earlier attempt logged after ``resumed_step`` (fresh: anything) is purged: one run."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
-        self.directory, self.rank = tb_dir(run_dir), rank
+        self.directory, self.rank = run_dir / "tb", rank
         self.purge_step = 0 if resumed_step is None else resumed_step + 1
         self.writer: SummaryWriter | None = None
 
     def add(self, step: int, **tags: float) -> None:
-        """``add(10, **{"train/loss_global": 0.3})``: one scalar per tag at optimizer step ``step``."""
         if self.rank == 0 and self.writer is None:
             self.writer = SummaryWriter(str(self.directory), purge_step=self.purge_step)
             self.writer.add_custom_scalars(LAYOUT)

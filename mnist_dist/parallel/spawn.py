@@ -30,15 +30,10 @@ def spawn(
     log_dir: str | None = None,
     start_method: str = "spawn",
 ) -> None:
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits.
-
-    Each has torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, and MNIST_DIST_INIT_METHOD, where the ranks
-    meet: ``dist.init_process_group(backend, init_method=os.environ["MNIST_DIST_INIT_METHOD"], rank=rank,
-    world_size=world_size)``; a store file in ``log_dir`` (None: the temp folder), gone when the job ends. ``fn`` and
-    ``args`` must be picklable. A failing worker stops the job: WorkerFailed names its rank and reason in one line,
-    with its log ``<log_dir>/rank_<r>.log`` if there is one. Workers die with this process, even SIGKILLed; Ctrl-C
-    is this process's alone (the workers ignore it, get SIGTERM and are waited for). ``start_method="forkserver"``
-    forks them from one server that imported torch and ``fn``'s module once (CPU only)."""
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits. Each
+    has torchrun's variables and MNIST_DIST_INIT_METHOD, the ``init_method`` where the ranks meet: a store file in
+    ``log_dir`` (None: the temp folder). ``fn`` and ``args`` must be picklable. WorkerFailed names a failed rank, its
+    reason and its log ``<log_dir>/rank_<r>.log``. ``start_method="forkserver"``: CPU only."""
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
     # A folder of its own: a resume goes on in its run's directory, where a killed job may have left its store.
@@ -112,7 +107,6 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_di
 
 
 def die_with_parent() -> None:
-    """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op):
-    it would otherwise train on with nobody to report to, or hang in a collective."""
+    """Has the kernel SIGKILL this process when its parent (a torchrun agent) dies (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
