@@ -117,3 +117,14 @@ def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path, mo
     with pytest.raises(WorkerFailed, match=r"^rank 0 failed: killed by SIGABRT .*dist.timeout_s.*join\(\)"):
         spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
     assert_all_gone(tmp_path, 2)
+
+
+def test_a_rank_that_saw_its_peer_end_first_names_the_likely_cause_too():
+    # Two ranks in mismatched collectives both wait dist.timeout_s; the one that times out first may take longer to
+    # exit than its peer, which then fails on the closed connection and is the rank the launcher names.
+    from mnist_dist.parallel.spawn import _reason
+
+    closed = "Traceback:\n  File x\nRuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:59548."
+    line = _reason(torch.multiprocessing.ProcessRaisedException(closed, 1, 123), None)
+    assert line.startswith("rank 1 failed: RuntimeError: [pair.cc:561] Connection closed by peer"), line
+    assert "another rank ended first" in line and "dist.timeout_s" in line and "join()" in line, line

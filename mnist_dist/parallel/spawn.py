@@ -96,7 +96,9 @@ def _reason(error: mp.ProcessRaisedException | mp.ProcessExitedException, log_di
     else:  # a traceback: the exception's line follows the last frame's indented lines
         lines = error.msg.rstrip().splitlines()
         reason = lines[max(i for i, line in enumerate(lines) if line.startswith(" ")) + 1]
-    if "timed out" in reason.lower() or reason == "killed by SIGABRT":  # SIGABRT: how NCCL's watchdog ends a wait
+    if peer_ended := "closed by peer" in reason:  # gloo: a rank that timed out may exit after the peer it left
+        reason += " (another rank ended first: its log says why)"
+    if peer_ended or "timed out" in reason.lower() or reason == "killed by SIGABRT":  # SIGABRT: NCCL's watchdog
         reason += (
             " (if it waited in a collective for dist.timeout_s: another rank is stuck, or the ranks ran different "
             "numbers of steps; give every rank the same number of batches, or train inside join())"
