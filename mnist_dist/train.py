@@ -186,7 +186,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
         progress.step()
         if profiler:
             profiler.step()
-        stop = preemption.requested(run.step)  # a collective vote on a scheduler's signal, one step late
+        stop = preemption.requested()  # a collective vote on a scheduler's signal, one step late
         if stop or (cfg.checkpoint_every_steps and run.step % cfg.checkpoint_every_steps == 0 and position < last):
             save_checkpoint(run, epoch - 1, position)  # at the epoch's last step, the epoch's own follows
         if stop:

@@ -1,6 +1,7 @@
 """A resumed run is one run: its clocks go on from the checkpoint, and TensorBoard keeps every point logged up
 to the checkpoint, on every tag, while what the interrupted run logged after it gives way to the resumed run's."""
 
+import itertools
 import json
 
 import pytest
@@ -21,10 +22,11 @@ TIMING = ("perf/", "time/", "results/")  # differ from run to run; every other t
 
 def interrupted_at(step: int, monkeypatch):
     requested = preemption.requested  # the loop asks it after every step, before the mid-epoch checkpoint
+    steps = itertools.count(1)  # the steps of a run from its start
 
-    def stop_after(after: int) -> str | None:
-        asked = requested(after)
-        if after == step:
+    def stop_after() -> str | None:
+        asked = requested()
+        if next(steps) == step:
             raise KeyboardInterrupt
         return asked
 

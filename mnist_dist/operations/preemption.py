@@ -55,7 +55,7 @@ def installed(timeout_s: float) -> Iterator[None]:
             state.clear()
 
 
-def requested(step: int) -> str | None:
+def requested() -> str | None:
     """Called on every rank after each step (a collective in a process group): the signal that asks to stop,
     if any rank got one by the step before (by this step, with one process)."""
     _training[:] = [True]
