@@ -84,8 +84,8 @@ def test_a_save_that_fails_half_way_leaves_the_last_good_checkpoints(tmp_path, m
     path = tmp_path / "checkpoint.pt"
     for step in (1, 2):
         checkpoint.save({"step": step}, path, keep_previous=True)
-    (tmp_path / ".checkpoint.pt.killed.tmp").write_bytes(b"half")  # what a write killed by a signal leaves
-    monkeypatch.setattr(files, "open", fault, raising=False)  # the temp file files.atomic opens
+    (tmp_path / ".checkpoint.pt.tmp").write_bytes(b"half")  # what a write killed by a signal leaves
+    monkeypatch.setattr(files, "open", fault, raising=False)  # the temp file files.write opens
     with pytest.raises(raised) as error:
         checkpoint.save({"step": 3, "weights": torch.zeros(10**6)}, path, keep_previous=True)
     monkeypatch.undo()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import pickle
 import random
 from collections.abc import Sequence
@@ -40,13 +39,7 @@ def save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     ``<name>.1.pt``. Serialised in memory first, so a full disk fails as OSError(ENOSPC) naming ``path``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    with files.atomic(path) as file:
-        file.write(buffer.getvalue())
-        file.flush()
-        os.fsync(file.fileno())
-        # The new bytes are on disk: from here a crash leaves the last good one as checkpoint.pt or .1.pt.
-        if keep_previous and path.exists():
-            os.replace(path, path.with_suffix(".1.pt"))
+    files.write(path, buffer.getbuffer(), path.with_suffix(".1.pt") if keep_previous else None)
 
 
 def locate(resume: str) -> Path:
