@@ -9,12 +9,8 @@ from pathlib import Path
 
 import torch
 
-# bf16 autocast pays off on a CPU only with AVX-512 BF16 or AMX's bf16 matmul (native_bf16); else torch emulates it.
+# bf16 autocast pays off on a CPU only with AVX-512 BF16 or AMX's bf16 matmul; else torch emulates it.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def native_bf16(cpu_flags: list[str]) -> bool:
-    return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags
 
 
 def describe() -> dict:
