@@ -25,13 +25,10 @@ class NoteExisting(Callback):
     """Registered in conf/config.yaml: before Hydra creates the run or sweep directory, notes whether it exists."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        self.note(config.hydra.run.dir)
+        noted[Path(config.hydra.run.dir).resolve()] = Path(config.hydra.run.dir).exists()
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        self.note(config.hydra.sweep.dir)
-
-    def note(self, directory: str) -> None:
-        noted[Path(directory).resolve()] = Path(directory).exists()
+        noted[Path(config.hydra.sweep.dir).resolve()] = Path(config.hydra.sweep.dir).exists()
 
 
 def made_for(directory: Path, hydra_own: set[str] = HYDRA_OWN) -> bool:
