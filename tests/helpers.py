@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mnist_dist.config import validate
-from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.parallel import spawn
+from mnist_dist.tools import read_scalars
 from mnist_dist.topology import resolve
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")

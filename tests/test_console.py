@@ -8,6 +8,7 @@ import os
 from mnist_dist.launch import launch
 from mnist_dist.operations import machine
 from mnist_dist.operations.console import summary_line
+from mnist_dist.tools import machine_line
 
 
 def test_a_run_ends_with_one_short_line_of_results_and_records_its_machine(make_config, tmp_path, capsys, monkeypatch):
@@ -37,10 +38,10 @@ def test_a_run_ends_with_one_short_line_of_results_and_records_its_machine(make_
 def test_the_machine_line_names_cpu_flags_threads_and_torch():
     info = dict(cpu="AMD EPYC", cpu_flags=["avx512_bf16"], cpu_capability="AVX512", cores=2, torch_threads=2)
     info |= dict(torch="2.14.1", gpus=0)
-    line = machine.summary_line(info)
+    line = machine_line(info)
     assert line.startswith("machine: AMD EPYC (avx512_bf16; torch AVX512 kernels), 2 cores, 2 torch threads")
     info.update(cpu_flags=[], gpus=2, gpu="NVIDIA H200", cuda="12.8")
-    line = machine.summary_line(info)
+    line = machine_line(info)
     assert "(no avx512_bf16/amx_bf16/amx_tile;" in line and line.endswith("torch 2.14.1, 2 x NVIDIA H200 (CUDA 12.8)")
 
 

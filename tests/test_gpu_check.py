@@ -117,7 +117,10 @@ def test_a_probe_that_hangs_or_crashes_is_a_failed_row_and_the_check_goes_on(mon
     )
     scripts = {"dp": hangs, "dp_functional": "raise RuntimeError('CUDA error: out of memory')"}
     scripts["nccl"] = 'print(\'{"name": "a row", "proves": "", "figure": "", "ok": true}\')'
-    monkeypatch.setattr(gpu_check, "probe_command", lambda args, name, work: [sys.executable, "-c", scripts[name]])
+    run = gpu_check.bounded  # the probe named in the command (--probe NAME) runs its script instead
+    monkeypatch.setattr(
+        gpu_check, "bounded", lambda command, timeout: run([sys.executable, "-c", scripts[command[4]]], timeout)
+    )
     args = type("Args", (), {"device": "cuda", "timeout": 1.5})
     rows = list(gpu_check.probe_rows(args, tmp_path))
     assert [(row.name, row.ok) for row in rows] == [

@@ -10,7 +10,7 @@ from helpers import compose_config, events, scalars
 from mnist_dist import train
 from mnist_dist.launch import launch
 from mnist_dist.operations import checkpoint, preemption
-from mnist_dist.operations.tensorboard import read_scalars
+from mnist_dist.tools import read_scalars
 
 STEPS = (
     *("epochs=2", "batch_size=32", "log_every=2", "eval_every_steps=5", "checkpoint_every_steps=7"),

@@ -10,8 +10,7 @@ from helpers import scalars, validate_here
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import launch
-from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools import bench
+from mnist_dist.tools import bench, read_scalars
 
 
 @pytest.mark.slow  # ranks in fresh processes

@@ -1,5 +1,5 @@
 """What machine a number came from: throughput depends on it more than on anything in this repository, so every
-results.json, bench.json and compare.json records ``describe()`` and every table prints ``summary_line()``."""
+results.json, bench.json and compare.json records ``describe()``, and every table of the tools names it."""
 
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ def describe() -> dict:
     if torch.cuda.is_initialized():
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
     return info
-
-
-def summary_line(info: dict) -> str:
-    """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx...), 2 cores, ...``."""
-    flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
-    line = (
-        f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
-        f"{info['torch_threads']} torch threads, torch {info['torch']}"
-    )
-    return line + (f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']})" if info.get("gpu") else "")
 
 
 def load_warning(load_average: float, cores: int | None = None) -> str | None:

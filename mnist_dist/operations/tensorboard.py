@@ -30,15 +30,6 @@ LAYOUT = {
 }
 
 
-def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar the run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})  # 0: every event, not a sample
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
-
-
 def window_tags(gathered: list[list[float]]) -> dict[str, float]:
     """A log window's tags from each rank's ``[loss, images, seconds]``: per rank, the mean loss, the job's images/s."""
     tags = {}

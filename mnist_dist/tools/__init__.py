@@ -52,6 +52,27 @@ def train_in_subprocess(overrides: list[str], run_dir: Path, timeout: float | No
     return json.loads((run_dir / "results.json").read_text())
 
 
+def machine_line(info: dict) -> str:
+    """One line for the top of a table: ``machine: AMD EPYC (no avx512_bf16/amx...), 2 cores, ...``."""
+    from mnist_dist.operations.machine import BF16_FLAGS  # here: offline_bundle runs without torch
+
+    flags = ", ".join(info["cpu_flags"]) or "no " + "/".join(BF16_FLAGS)
+    line = (
+        f"machine: {info['cpu']} ({flags}; torch {info['cpu_capability']} kernels), {info['cores']} cores, "
+        f"{info['torch_threads']} torch threads, torch {info['torch']}"
+    )
+    return line + (f", {info['gpus']} x {info['gpu']} (CUDA {info['cuda']})" if info.get("gpu") else "")
+
+
+def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar a run logged, ``{tag: {step: value}}`` in step order, less what a later attempt purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})  # 0: every event, not a sample
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def write_idx(raw: Path, n_train: int = 640, n_test: int = 200, seed: int = 0) -> Path:
     """The four IDX files of small, learnable MNIST-format data in ``raw`` (class k: a bright square at spot k
     on noise), for what must train without downloading; returns ``raw``."""

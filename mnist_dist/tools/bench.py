@@ -29,8 +29,7 @@ if __name__ == "__main__":
     on_interrupt(NOTHING_STARTED)  # before the imports below (torch): Ctrl-C meanwhile is one line too
 
 from mnist_dist.operations import files, machine
-from mnist_dist.operations.tensorboard import read_scalars
-from mnist_dist.tools import train_in_subprocess, write_idx
+from mnist_dist.tools import machine_line, read_scalars, train_in_subprocess, write_idx
 
 CASES = {  # overrides of `python -m mnist_dist`
     "single": [],
@@ -116,7 +115,7 @@ def write_report(args: argparse.Namespace, name: str, table: str, samples: dict,
     """``name``.md (the machine, ``table``, a warning line if the machine was busy) and .json (the machine, the
     settings and every run's results) in ``args.out``; the text of the .md."""
     info, warning = machine.describe(), machine.load_warning(max(loads + [os.getloadavg()[0]]))
-    text = f"{machine.summary_line(info)}\n\n{table}" + (f"\n{warning}\n" if warning else "")
+    text = f"{machine_line(info)}\n\n{table}" + (f"\n{warning}\n" if warning else "")
     args.out.mkdir(parents=True, exist_ok=True)
     files.write_text(args.out / f"{name}.md", text)
     saved = {"machine": info, "settings": vars(args), "samples": samples}
@@ -201,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {case}: {why}", flush=True)
     # The generated data and the runs' directories: removed however the bench ends, Ctrl-C included.
     with tempfile.TemporaryDirectory(prefix="mnist_dist_bench_", ignore_cleanup_errors=True) as scratch:
-        table = (
-            run_tta(args, Path(scratch)) if args.time_to_accuracy else run_bench(args, chosen, skipped, Path(scratch))
-        )
+        work = Path(scratch)
+        table = run_tta(args, work) if args.time_to_accuracy else run_bench(args, chosen, skipped, work)
     print(f"\n{table}\nwrote {args.out}")
     return 0
 

@@ -85,11 +85,8 @@ def check_modes(cfg: Config) -> tuple[Line, list[str]]:
         except Exception as error:
             failed.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}")
         else:
-            unused = (
-                [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-                if name == "single"
-                else unused
-            )
+            if name == "single":
+                unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     if failed:
         return ("FAIL", "modes", "; ".join(failed)), unused
     if unusable:

@@ -43,8 +43,8 @@ from mnist_dist.launch import WorkerFailed, launch
 from mnist_dist.model import instantiate_model
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files, machine
-from mnist_dist.operations.tensorboard import read_scalars
 from mnist_dist.step import TrainingDiverged
+from mnist_dist.tools import machine_line, read_scalars
 from mnist_dist.topology import resolve
 
 # Modes sum the same numbers in a different order (one batch mean vs the average of per-rank means), so fp32
@@ -105,7 +105,7 @@ def markdown(report: dict) -> str:
     reference = report["rows"][0]["mode"]
     rounds = len(report["rows"][0]["images_per_s_rounds"])
     lines = [
-        machine.summary_line(report["machine"]),
+        machine_line(report["machine"]),
         "",
         f"| mode | world size | test accuracy | final loss | Δloss at step {report['first_step']} | "
         f"max Δloss | images/s (median of {rounds}) | min – max | spread | model state per rank (MiB) |",
@@ -216,10 +216,8 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
                 cfg.model.dropout = False
                 said.append("model.dropout=false")
             batchnorm = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-            if (
-                "sync_batchnorm" in cfg.mode
-                and not cfg.mode.sync_batchnorm
-                and any(isinstance(module, batchnorm) for module in instantiate_model(cfg.model).modules())
+            if not cfg.mode.get("sync_batchnorm", True) and any(
+                isinstance(module, batchnorm) for module in instantiate_model(cfg.model).modules()
             ):
                 cfg.mode.sync_batchnorm = True
                 said.append("mode.sync_batchnorm=true")

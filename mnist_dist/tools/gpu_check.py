@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from mnist_dist.operations import files, machine
-from mnist_dist.tools import bounded, composed, train_in_subprocess, write_idx
+from mnist_dist.tools import bounded, composed, machine_line, read_scalars, train_in_subprocess, write_idx
 
 # The module nn.DataParallel calls parallel_apply through (torch.nn.parallel exports a function of that name).
 torch_data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")
@@ -105,9 +105,8 @@ def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bf
     visible = found["raw torch"][0] != {dtype}  # torch's own bug shows: the probe can see it
     figure += "" if visible else " (raw torch keeps the dtype too: this probe cannot see the bug)"
     proves = f"mode={name}'s replicas compute in the caller's {str(dtype)[6:]}"
-    return Row(
-        f"{name} replica dtype, amp, 2 threads on {device}", proves, figure, found["ours"] == ({dtype}, 2) and visible
-    )
+    row = f"{name} replica dtype, amp, 2 threads on {device}"
+    return Row(row, proves, figure, found["ours"] == ({dtype}, 2) and visible)
 
 
 def nccl_row(device_type: str) -> Row:
@@ -126,9 +125,8 @@ def nccl_row(device_type: str) -> Row:
     bound = dist.group.WORLD.bound_device_id
     dist.destroy_process_group()
     figure = f"bound to {bound}; barrier warnings: {len(said)}" + "".join(f" ({w})" for w in said)
-    return Row(
-        "NCCL process group, world size 1", "init_process_group got device_id", figure, bound is not None and not said
-    )
+    row, proves = "NCCL process group, world size 1", "init_process_group got device_id"
+    return Row(row, proves, figure, bound is not None and not said)
 
 
 def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
@@ -146,16 +144,12 @@ def probe(name: str, device_type: str, work: Path) -> Row:
     return Row(**json.loads((work / "row.json").read_text()))
 
 
-def probe_command(args, name: str, work: Path) -> list[str]:
-    module = ["-m", "mnist_dist.tools.gpu_check", "--probe", name]
-    return [sys.executable, *module, "--device", args.device, "--work", str(work / name)]
-
-
 def probe_rows(args, work: Path) -> Iterator[Row]:
     """Each probe in a process of its own under ``args.timeout``; one that fails, hangs or crashes is a failed row."""
     for name in PROBES if args.device == "cuda" else ():
+        command = [sys.executable, "-m", "mnist_dist.tools.gpu_check", "--probe", name, "--device", args.device]
         try:
-            result = bounded(probe_command(args, name, work), args.timeout)
+            result = bounded([*command, "--work", str(work / name)], args.timeout)
             if result.returncode:
                 raise RuntimeError(f"exit {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}")
             yield Row(**json.loads(result.stdout.strip().splitlines()[-1]))
@@ -173,8 +167,6 @@ def train(args, run_dir: Path, *overrides: str) -> tuple[dict | None, str]:
 
 def losses(run_dir: Path) -> list[float]:
     """The run's training loss per step, the mean over ranks."""
-    from mnist_dist.operations.tensorboard import read_scalars
-
     return list(read_scalars(run_dir)["train/loss_global"].values())
 
 
@@ -306,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     write_idx(work / "data" / "MNIST" / "raw", n_train=TRAIN_IMAGES, n_test=2_000)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else machine.describe()["cpu"]
     title = f"gpu_check{' --quick' if args.quick else ''} on {device} ({gpus} visible), {datetime.date.today()}"
-    say(args.out, title, machine.summary_line(machine.describe()), *notes, f"work directory: {work}", "")
+    say(args.out, title, machine_line(machine.describe()), *notes, f"work directory: {work}", "")
     say(args.out, "| row | proves | figure | result |", "|---|---|---|---|")
     rows = []
     for row in itertools.chain(probe_rows(args, work), trainer_rows(args, work, gpus)):
