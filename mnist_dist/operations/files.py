@@ -9,7 +9,9 @@ from pathlib import Path
 def write(target: Path, data: bytes | memoryview, previous: Path | None = None) -> None:
     """``data`` as ``target``: a crash or a signal at any moment leaves the old file or the new one, whole (given
     ``previous``, the old one is moved there first). An OSError names ``target``, not the temp file."""
-    temp = target.with_name(f".{target.name}.tmp")  # one name: a write killed by SIGKILL leaves it to the next
+    # One name: a write killed by SIGKILL leaves it to the next. One writer per target (the run directory's and the
+    # data's locks): two at once would share it.
+    temp = target.with_name(f".{target.name}.tmp")
     try:
         with open(temp, "wb") as file:
             file.write(data)
