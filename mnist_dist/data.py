@@ -127,10 +127,14 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=generator)
 
 
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
 def rank_batches(order: torch.Tensor, global_batch: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:
     """This rank's indices for each global batch of ``order``, disjoint from every other rank's."""
     per_rank = global_batch // world_size
-    for step in range(len(order) // global_batch):  # whole global batches only
+    for step in range(steps_per_epoch(len(order), global_batch)):
         start = step * global_batch + rank * per_rank
         yield order[start : start + per_rank]
 

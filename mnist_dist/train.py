@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, schedule
 
 from mnist_dist.config import Config
-from mnist_dist.data import epoch_order, load_split, rank_batches, to_device_tensors
+from mnist_dist.data import epoch_order, load_split, rank_batches, steps_per_epoch, to_device_tensors
 from mnist_dist.metrics import Meters, all_gather, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import wrap_model
@@ -82,7 +82,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     scalars = Scalars(run_dir, topology.rank, resumed["step"] if resumed else None)
     try:
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
-        steps = len(run.train_set[0]) // cfg.batch_size  # no partial batch runs
+        steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
         progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
         profiler = start_profiler(run_dir, topology, cfg.warmup_steps) if cfg.profile else None
         first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
@@ -128,7 +128,7 @@ def build(cfg: Config, topology: Topology, run_dir: Path, raw_dir: Path, scalars
     random.seed(cfg.seed + topology.rank)
     torch.manual_seed(cfg.seed + topology.rank)  # each rank its own dropout masks, repeatably
     optimizer = instantiate(cfg.optim)(model.parameters())
-    steps = len(train_set[0]) // cfg.batch_size
+    steps = steps_per_epoch(len(train_set[0]), cfg.batch_size)
     scheduler, per_step = make_scheduler(cfg.scheduler, optimizer, steps * cfg.epochs)
     learner = Learner(model, optimizer, scheduler, per_step, Precision(cfg.amp, device))
     meters = Meters(topology.devices, cfg.warmup_steps)  # dp and split: they wait for every device computing
@@ -162,7 +162,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
     """One pass over the training set after its first ``done`` steps, each rank on its share of every global
     batch; then the test set and the checkpoint."""
     cfg, learner, meters, (train_x, train_y) = run.cfg, run.learner, run.meters, run.train_set
-    started, last = time.perf_counter(), len(train_x) // cfg.batch_size
+    started, last = time.perf_counter(), steps_per_epoch(len(train_x), cfg.batch_size)
     learner.model.train()
     order = epoch_order(len(train_x), cfg.seed, epoch).to(train_x.device)
     batches = rank_batches(order, cfg.batch_size, run.topology.rank, run.topology.world_size)
