@@ -1,5 +1,5 @@
-"""Where a job runs (as torchtitan's ``ParallelDims``): the mode, the device, how many processes and which one this
-is; from the config in the parent (``resolve``), from its launcher's variables in a worker (``from_env``)."""
+"""Where a job runs, as one record: the mode, the device, how many processes and which one this is; from the config
+in the parent (``resolve``), from its launcher's variables in a worker (``from_env``)."""
 
 from __future__ import annotations
 
