@@ -105,8 +105,8 @@ def replica_dtype(name: str, device: torch.device, dtype: torch.dtype = torch.bf
     visible = found["raw torch"][0] != {dtype}  # torch's own bug shows: the probe can see it
     figure += "" if visible else " (raw torch keeps the dtype too: this probe cannot see the bug)"
     proves = f"mode={name}'s replicas compute in the caller's {str(dtype)[6:]}"
-    row = f"{name} replica dtype, amp, 2 threads on {device}"
-    return Row(row, proves, figure, found["ours"] == ({dtype}, 2) and visible)
+    title = f"{name} replica dtype, amp, 2 threads on {device}"
+    return Row(title, proves, figure, found["ours"] == ({dtype}, 2) and visible)
 
 
 def nccl_row(device_type: str) -> Row:
@@ -125,8 +125,8 @@ def nccl_row(device_type: str) -> Row:
     bound = dist.group.WORLD.bound_device_id
     dist.destroy_process_group()
     figure = f"bound to {bound}; barrier warnings: {len(said)}" + "".join(f" ({w})" for w in said)
-    row, proves = "NCCL process group, world size 1", "init_process_group got device_id"
-    return Row(row, proves, figure, bound is not None and not said)
+    title, proves = "NCCL process group, world size 1", "init_process_group got device_id"
+    return Row(title, proves, figure, bound is not None and not said)
 
 
 def nccl_worker(rank: int, world_size: int, device_type: str, out: str) -> None:
