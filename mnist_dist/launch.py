@@ -72,14 +72,17 @@ def _worker(cfg: Config, run_dir: Path, data_dir: Path, topology: Topology) -> d
 
 def _resume(cfg: Config, run_dir: Path, overrides: Sequence[str]) -> tuple[Config, Path, dict | None]:
     """The config the run goes on with, its directory and the checkpoint that ``resume=`` names (None: a fresh run)."""
-    if cfg.resume == "auto":
-        found = checkpoint.newest_readable(run_dir)
-        cfg.resume = str(found) if found else ""
-    if not cfg.resume:
+    if cfg.resume == "auto":  # read once: whether it can be, and what it holds
+        path, state = checkpoint.newest_readable(run_dir) or (None, None)
+    elif cfg.resume:
+        path = checkpoint.locate(cfg.resume)
+        state = checkpoint.load(path)
+    else:
+        state = None
+    if state is None:
+        cfg.resume = ""
         rundir.refuse_another_run(run_dir)  # a fresh run: nothing of another may be replaced
         return cfg, run_dir, None
-    path = checkpoint.locate(cfg.resume)
-    state = checkpoint.load(path)
     cfg = checkpoint.resumed_config(state, cfg, overrides)
     cfg.resume = str(path)
     return cfg, path.parent, state  # the run goes on in its own directory

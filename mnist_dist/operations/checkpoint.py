@@ -63,18 +63,21 @@ def load(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read the checkpoint ({type(error).__name__}: {detail})") from None
 
 
-def newest_readable(run_dir: Path) -> Path | None:
-    """``resume=auto``'s checkpoint: ``checkpoint.pt``, else the previous one if it can be read (logged); or None."""
+def newest_readable(run_dir: Path) -> tuple[Path, dict] | None:
+    """``resume=auto``'s checkpoint and its contents: ``checkpoint.pt``, else the previous one if it can be read
+    (logged); or None."""
     skipped = []
-    for path in (path for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt") if path.exists()):
+    for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
+        if not path.exists():
+            continue
         try:
-            step = load(path)["step"]
+            saved = load(path)
         except ConfigError as why:
             skipped.append(str(why))
             continue
         if skipped:
-            log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, step)
-        return path
+            log.warning("resume=auto: skipped %s; resuming from %s (step %d)", "; ".join(skipped), path, saved["step"])
+        return path.resolve(), saved
     if skipped:
         raise ConfigError(
             f"resume=auto: no checkpoint in {run_dir} can be read: {'; '.join(skipped)}; move them away to start afresh"
