@@ -115,7 +115,11 @@ def setup_process(topology: Topology, deterministic: bool, timeout_s: float, tf3
         # N processes on one CPU each default to all cores: oversubscribed threads make every rank slow.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
     deterministic_kernels(deterministic)
-    fp32_precision(tf32)
+    # fp32 convolutions (cuDNN) and matmuls (cuBLAS) in TF32, or in full fp32 ("ieee"); the legacy flags too: torch's
+    # code (inductor) still reads them, and that raises where they disagree. No effect on a CPU.
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    precision = "tf32" if tf32 else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = precision
     if topology.device_type == "cuda":
         torch.cuda.set_device(topology.device)
     if topology.backend and not dist.is_initialized():
@@ -137,14 +141,6 @@ def deterministic_kernels(on: bool, warn_only: bool = True) -> None:
     torch.use_deterministic_algorithms(on, warn_only=warn_only)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
-
-
-def fp32_precision(tf32: bool) -> None:
-    """fp32 convolutions (cuDNN) and matmuls (cuBLAS) in TF32, or in full fp32 ("ieee"). No effect on a CPU."""
-    # The legacy flags too: torch's code (inductor) still reads them, and that raises where they disagree.
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
-    precision = "tf32" if tf32 else "ieee"
-    torch.backends.cudnn.conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = precision
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
