@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +118,18 @@ def test_a_rank_aborted_as_by_nccls_watchdog_names_the_likely_cause(tmp_path, mo
     with pytest.raises(WorkerFailed, match=r"^rank 0 failed: killed by SIGABRT .*dist.timeout_s.*join\(\)"):
         spawn(_aborted_by_a_watchdog, 2, str(tmp_path), start_method="forkserver")
     assert_all_gone(tmp_path, 2)
+
+
+def _says_no(rank: int, world_size: int) -> None:
+    raise ValueError(f"rank {rank} says no")
+
+
+def test_a_failed_rank_is_named_and_leaves_no_traceback_file_in_the_temp_folder(tmp_path, monkeypatch):
+    # torch's start_processes hands each rank a file for its traceback and never removes it (see pytorch/pytorch#169258)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(WorkerFailed, match=r"^rank \d failed: ValueError: rank \d says no$"):
+        spawn(_says_no, 2, start_method="forkserver")
+    assert not list(tmp_path.glob("pytorch-errorfile-*"))
 
 
 def test_a_rank_that_saw_its_peer_end_first_names_the_likely_cause_too():

@@ -12,6 +12,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -70,6 +71,9 @@ def spawn(
             for process in context.processes:  # another Ctrl-C ends this process at once, and the workers with it
                 process.join()
             raise
+        finally:  # a failed rank's traceback file, which torch leaves in the temp folder (see pytorch/pytorch#169258)
+            for path in context.error_files:
+                Path(path).unlink(missing_ok=True)
 
 
 def _worker(rank: int, fn: Callable[..., object], environment: dict[str, str], args: tuple) -> None:
