@@ -33,7 +33,11 @@ def test_rounds_alternate_and_the_table_has_medians_spreads_and_the_load_warning
     assert report["agree"]
     table = (out / "compare.md").read_text()
     assert "| images/s (median of 2) |" in table and "load average reached 1000.0" in table
-    assert table in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert table in printed
+    # the second round in reverse: no mode always runs first, after the same one, or last
+    said = [line.split(" (")[0] for line in printed.splitlines() if line.startswith("== round")]
+    assert said == ["== round 1/2: single", "== round 1/2: dp", "== round 2/2: dp", "== round 2/2: single"], said
 
 
 @pytest.mark.parametrize(

@@ -228,12 +228,12 @@ def compose_configs(modes: list[str], overrides: list[str]) -> dict[str, tuple[C
 
 
 def run_rounds(configs: dict, repeats: int, out: Path, load: Callable[[], float]) -> tuple:
-    """Runs every mode once per round, modes alternating; returns round 1's results and curves, every
-    round's images/s per mode, and the highest load average seen before a run. A run that does not finish
-    (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
+    """Runs every mode once per round, in reverse order every other round (no mode always first); returns round 1's
+    results and curves, every round's images/s per mode, and the highest load average seen before a run. A run that
+    does not finish (Ctrl-C, an error) is removed: no half run for TensorBoard to list."""
     results, curves, speeds, peak_load = {}, {}, {mode: [] for mode in configs}, 0.0
     for round_ in range(1, repeats + 1):
-        for mode, (cfg, said) in configs.items():
+        for mode, (cfg, said) in list(configs.items())[:: 1 if round_ % 2 else -1]:
             run_dir = out / (mode if round_ == 1 else f"{mode}_{round_}")
             try:  # from its mkdir on: a Ctrl-C as the run's line is printed leaves no empty run behind
                 run_dir.mkdir(parents=True)
