@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def all_gather(mine: Any) -> list:
-    """Every rank's ``mine`` (a few numbers, a dict: anything picklable), by rank, on every rank (``[mine]`` in one
-    process). A collective."""
+def all_gather(values: list[float]) -> list[list[float]]:
+    """Every rank's few numbers, by rank, on every rank (``[values]`` in one process)."""
     if not dist.is_initialized():
-        return [mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+        return [values]
+    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return [t.tolist() for t in gathered]
 
 
 def job_images_per_s(windows: list[tuple[float, float]]) -> float:

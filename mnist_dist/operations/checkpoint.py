@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
 
 from mnist_dist.config import Config
-from mnist_dist.metrics import all_gather
 from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files
 from mnist_dist.operations.errors import ConfigError
@@ -180,7 +180,7 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
         "images_s": meters.throughput.total_seconds,
         "window_losses": [loss.item() for loss in run.losses.window] if epoch_step else [],  # a split log window
     }
-    meters_by_rank = all_gather(mine)
+    meters_by_rank = gather_objects(mine)
     model_state = state.model_state(learner.model)
     optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
@@ -223,11 +223,20 @@ def restore(run: Run, resumed: dict) -> None:
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, resumed["epoch"] + 1, run.step)
 
 
+def gather_objects(mine: Any) -> list:
+    """Every rank's ``mine``, by rank (a collective; ``[mine]`` in one process)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def rng_states_of_all_ranks() -> list[dict]:
     """Every rank's generators (Python, torch CPU, every CUDA device's), by rank (a collective); every CUDA
     device's because dp's replicas draw dropout masks on every GPU."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return all_gather({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
+    return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
 
 
 def restore_rng(states: list[dict], rank: int) -> None:
