@@ -25,10 +25,8 @@ from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import wrap_model
 from mnist_dist.operations import checkpoint, files, preemption
 from mnist_dist.operations.checkpoint import Losses, restore, save_checkpoint
-from mnist_dist.operations.console import Progress
 from mnist_dist.operations.errors import FILE_ONLY, setup_logging
-from mnist_dist.operations.results import finish
-from mnist_dist.operations.tensorboard import Scalars, window_tags
+from mnist_dist.operations.report import Progress, Scalars, finish, window_tags
 from mnist_dist.step import Precision, TrainingDiverged, evaluate_as_saved, train_step
 from mnist_dist.topology import Topology
 

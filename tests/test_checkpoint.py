@@ -20,7 +20,7 @@ from helpers import compose_config
 
 from mnist_dist.config import ConfigError
 from mnist_dist.launch import _resume, launch
-from mnist_dist.operations import checkpoint, files, results
+from mnist_dist.operations import checkpoint, files, report
 from mnist_dist.operations.errors import setup_logging
 from mnist_dist.operations.rundir import HYDRA_OWN
 from mnist_dist.step import TrainingDiverged
@@ -124,7 +124,7 @@ def test_divergence_at_the_last_step_fails_the_run_and_writes_no_results(tiny_ro
 
 def test_results_json_is_strict_json(tmp_path):
     inf = float("inf")
-    results.save_json({"loss": float("nan"), "times": [inf, 1.5], "peak": {"x": -inf}, "n": 3}, tmp_path / "r.json")
+    report.save_json({"loss": float("nan"), "times": [inf, 1.5], "peak": {"x": -inf}, "n": 3}, tmp_path / "r.json")
     text = (tmp_path / "r.json").read_text()
     assert "NaN" not in text and "Infinity" not in text  # what json.dumps writes for them by default
     assert json.loads(text) == {"loss": None, "times": [None, 1.5], "peak": {"x": None}, "n": 3}

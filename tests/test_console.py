@@ -7,7 +7,7 @@ import os
 
 from mnist_dist.launch import launch
 from mnist_dist.operations import machine
-from mnist_dist.operations.console import summary_line
+from mnist_dist.operations.report import summary_line
 from mnist_dist.tools import machine_line
 
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import events
 
 from mnist_dist import __main__ as command
-from mnist_dist.operations.tensorboard import LAYOUT
+from mnist_dist.operations.report import LAYOUT
 
 TAGS_PAGE = Path(__file__).parent.parent / "docs" / "running.md"  # the page that lists every tag
 GLOBAL_TAGS = {"train/loss_global", "perf/images_per_s_global", "test/accuracy", "test/loss"}
