@@ -1,7 +1,6 @@
-"""Checkpoints: what a run saves so that a resumed run is the uninterrupted one, and what a resume runs with. Written
-whole or not at all, the previous one kept as ``checkpoint.1.pt``; never from weights that are not finite; read with
-``torch.load(weights_only=True)``, so a file cannot run code. Model and optimizer state go through parallel/state.py,
-keyed by the plain model's names in every mode. A resume is checked in the parent, before anything is written."""
+"""Checkpoints: what a resumed run needs to be the uninterrupted one. Written whole or not at all, the previous one kept
+as ``checkpoint.1.pt``, never from weights that are not finite; read with ``weights_only=True``, so a file cannot run
+code. Model and optimizer state go through parallel/state.py, keyed by the plain model's names in every mode."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from mnist_dist.train import Run
 
 NEWEST = "checkpoint.pt"
+REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
 
 log = logging.getLogger("mnist_dist")
 
@@ -64,8 +64,7 @@ def load(path: Path) -> dict:
 
 
 def newest_readable(run_dir: Path) -> tuple[Path, dict] | None:
-    """``resume=auto``'s checkpoint and its contents: ``checkpoint.pt``, else the previous one if it can be read
-    (logged); or None."""
+    """``resume=auto``'s checkpoint and its contents: the newest that can be read (a skipped one is logged), or None."""
     skipped = []
     for path in (run_dir / NEWEST, run_dir / "checkpoint.1.pt"):
         if not path.exists():
@@ -83,9 +82,6 @@ def newest_readable(run_dir: Path) -> tuple[Path, dict] | None:
             f"resume=auto: no checkpoint in {run_dir} can be read: {'; '.join(skipped)}; move them away to start afresh"
         )
     return None
-
-
-REFUSED = "resume: the checkpoint's config is not a mnist_dist config; resume another checkpoint.pt"
 
 
 def saved_config(state: dict) -> dict:
@@ -233,8 +229,7 @@ def gather_objects(mine: Any) -> list:
 
 
 def rng_states_of_all_ranks() -> list[dict]:
-    """Every rank's generators (Python, torch CPU, every CUDA device's), by rank (a collective); every CUDA
-    device's because dp's replicas draw dropout masks on every GPU."""
+    """Every rank's generators by rank (a collective): Python's, torch's, every GPU's (dp's replicas draw on each)."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return gather_objects({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
 

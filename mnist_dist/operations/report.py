@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -47,10 +46,6 @@ LAYOUT = {
     "per rank (every rank of every run)": {
         "training loss on each rank's share": ["Multiline", [r"^rank_\d+/train/loss$"]],
         "images/s of each rank": ["Multiline", [r"^rank_\d+/perf/images_per_s$"]],
-    },
-    "schedule": {
-        "learning rate": ["Multiline", [r"^train/lr$"]],
-        "epoch time (s)": ["Multiline", [r"^perf/epoch_time_s$"]],
     },
 }
 
@@ -122,13 +117,6 @@ class Scalars:
             for tag, value in tags.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def hparams(self, params: dict, metric_tags: list[str]) -> None:
-        """Lists this run in TensorBoard's HPARAMS tab: ``params`` against the last value of each tag logged
-        here (SummaryWriter.add_hparams would open a new directory)."""
-        if self.writer is not None:
-            for summary in hparams(params, {tag: 0.0 for tag in metric_tags}):
-                self.writer.file_writer.add_summary(summary)
-
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -145,7 +133,7 @@ def summary_line(results: dict) -> str:
 
 
 def finish(run: Run, wall_time_s: float) -> dict:
-    """results.json, model.pt and the HPARAMS entry (rank 0); every rank leaves the process group together."""
+    """model.pt and results.json (rank 0); every rank leaves the process group together."""
     cfg, topology, meters, score = run.cfg, run.topology, run.meters, run.score
     # every rank's [images, seconds, MiB of parameters, gradients and optimizer state after a step: shards in fsdp]
     by_rank = all_gather([meters.throughput.total_images, meters.throughput.total_seconds, meters.state_bytes / 2**20])
@@ -173,10 +161,6 @@ def finish(run: Run, wall_time_s: float) -> dict:
     if topology.rank == 0:
         checkpoint.save(saved_model, run.run_dir / "model.pt")
         save_json(results, run.run_dir / "results.json")
-        run.scalars.add(run.step, **{"results/images_per_s": results["train_images_per_s"]})
-        params = {"mode": cfg.mode.name, "world_size": topology.world_size, "batch_size": cfg.batch_size}
-        params.update(lr=cfg.optim.get("lr", float("nan")), seed=cfg.seed)
-        run.scalars.hparams(params, ["test/accuracy", "test/loss", "results/images_per_s"])
         log.info("results: %s", results, extra=FILE_ONLY)  # the console gets the summary
         if busy := machine.load_warning(os.getloadavg()[0]):  # a sweep's speeds too: each run says it
             log.warning("%s", busy)
