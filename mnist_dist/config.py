@@ -85,7 +85,8 @@ class Config:
 
 
 _RANGES = {  # inclusive
-    **dict.fromkeys(("gpus", "epochs", "batch_size", "test_batch_size", "log_every", "accumulate"), (1, math.inf)),
+    **dict.fromkeys(("gpus", "epochs", "test_batch_size", "log_every", "accumulate"), (1, math.inf)),
+    "batch_size": (1, 60_000),  # the training set, MNIST's as Fashion-MNIST's: a larger batch would run no step
     **dict.fromkeys(("eval_every_steps", "checkpoint_every_steps"), (0, math.inf)),
     # numpy's seeds; each epoch's order is seeded with seed * 100003 + epoch, within torch's 64 bits
     "seed": (0, 2**32 - 1),

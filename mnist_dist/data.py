@@ -16,7 +16,7 @@ import torch
 from filelock import FileLock
 
 from mnist_dist.operations import files
-from mnist_dist.operations.errors import ConfigError, DataError
+from mnist_dist.operations.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +109,6 @@ def to_device_tensors(
     moves first (a quarter of the bytes), and the caller's is never modified."""
     x = images.to(device).unsqueeze(1).float().div(255).sub_(mean).div_(std)
     return x, labels.to(device, torch.int64)
-
-
-def check_batch_fits(batch_size: int, world_size: int, raw_dir: Path) -> None:
-    """ConfigError if the global batch is larger than the training set (zero steps, an untrained model saved)."""
-    images = (raw_dir / "train-labels-idx1-ubyte").stat().st_size - 8  # a byte per label after the IDX header
-    if batch_size > images:
-        raise ConfigError(
-            f"batch_size={batch_size} is larger than the training set ({images} images): no step would "
-            f"run; use batch_size={images // world_size * world_size} or less"
-        )
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

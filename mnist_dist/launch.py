@@ -9,7 +9,7 @@ from contextlib import nullcontext, suppress
 from pathlib import Path
 
 from mnist_dist.config import Config, validate
-from mnist_dist.data import check_batch_fits, prepare
+from mnist_dist.data import prepare
 from mnist_dist.modes import MODES
 from mnist_dist.operations import checkpoint, preemption, rundir
 from mnist_dist.parallel.spawn import WorkerFailed, die_with_parent, spawn
@@ -45,7 +45,6 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
         if saved:
             checkpoint.check_resumable(saved, cfg)
         data_dir = prepare(cfg.data.name, cfg.data.root, cfg.data.mirrors)  # under a lock: once per machine
-        check_batch_fits(cfg.batch_size, topology.world_size, data_dir)
         if topology.rank == 0:
             log.info("config: %s (all of it in config.yaml)", " ".join(overrides) or "the defaults")
         if by:

@@ -229,8 +229,8 @@ def test_a_full_disk_is_one_line_naming_the_file(tiny_root, tmp_path, small_disk
 
 
 def test_a_batch_larger_than_the_training_set_is_refused(make_config, tmp_path):
-    with pytest.raises(ConfigError, match=r"batch_size=1024 is larger than the training set \(640 images\)"):
-        launch(make_config("batch_size=1024", "epochs=1"), tmp_path)
+    with pytest.raises(ConfigError, match=r"batch_size=60064 must be from 1 to 60000"):
+        launch(make_config("batch_size=60064", "epochs=1"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
