@@ -91,6 +91,8 @@ _RANGES = {  # inclusive
     # numpy's seeds; each epoch's order is seeded with seed * 100003 + epoch, within torch's 64 bits
     "seed": (0, 2**32 - 1),
     "dist.timeout_s": (1, 7 * 24 * 3600),  # torch keeps it in milliseconds, timedelta in days
+    "target_accuracy": (0, 1),  # a fraction, as in results.json
+    "label_smoothing": (0, 1),
 }
 
 
@@ -117,18 +119,14 @@ def validate(cfg: Config, topology: Topology) -> None:
         )
 
 
-def _each_setting(cfg: Config) -> None:  # on its own: a number in its range
+def _each_setting(cfg: Config) -> None:  # on its own: a number in its range (nan is in none)
     for key, (least, most) in _RANGES.items():
         if not least <= (value := attrgetter(key)(cfg)) <= most:
             bound = f"at least {least}" if most == math.inf else f"from {least} to {most}"
             raise ConfigError(f"{key}={value} must be {bound}")
-    if not 0 <= cfg.target_accuracy <= 1:
-        raise ConfigError(f"target_accuracy={cfg.target_accuracy} must be a fraction in [0, 1], e.g. 0.91")
     lr = cfg.optim.get("lr", 1.0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ConfigError(f"optim.lr={lr} must be a finite positive number")
-    if not 0 <= cfg.label_smoothing < 1:  # nan fails this too: torch would train as if it were 0
-        raise ConfigError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1), e.g. 0.1")
     bucket_cap_mb = getattr(cfg.mode, "bucket_cap_mb", None)
     if bucket_cap_mb is not None and not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
         raise ConfigError(f"mode.bucket_cap_mb={bucket_cap_mb} must be positive (MiB), or null: torch's default")
