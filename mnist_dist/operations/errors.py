@@ -57,8 +57,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     for handler in handlers:
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
     log.handlers[:] = handlers
-    # A library thread that dies (TensorBoard's writer on a full disk) says its error again to its caller, which
-    # ends in one line: its traceback goes to the log file only.
+    # A library thread's error (TensorBoard's writer on a full disk) reaches its caller too: the traceback, the log.
     threading.excepthook = lambda hook: log.error(
         "thread %s failed", hook.thread.name if hook.thread else "?", exc_info=hook.exc_value, extra=FILE_ONLY
     )
@@ -66,8 +65,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 NOTHING_STARTED = "interrupted before anything started; nothing was saved"
 AGAIN = "interrupted again: stopped at once"
-# What stops a command as Ctrl-C does: a terminal's Ctrl-C and hang-up, `kill`, and SIGUSR1 (a scheduler's
-# warning; while a run trains, mnist_dist.operations.preemption answers them with a checkpoint instead).
+# What stops a command: Ctrl-C, a hang-up, `kill`, SIGUSR1 (a scheduler's warning); a training run checkpoints first.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 received: list[int] = []  # the signals that interrupted the command: the last one is its exit status
 

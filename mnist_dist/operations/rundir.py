@@ -59,8 +59,7 @@ def owned(run_dir: Path) -> Iterator[bool]:
 
 
 def refuse_another_run(run_dir: Path) -> None:
-    """Before a fresh run (no resume) writes anything: a ConfigError if ``run_dir`` holds a run's results or
-    checkpoint, which the run would replace (and whose TensorBoard run it would extend)."""
+    """A ConfigError if ``run_dir`` holds a run's results or checkpoint, which a fresh run would replace."""
     held = [name for name in ("results.json", "model.pt", "checkpoint.pt") if (run_dir / name).is_file()]
     if held:
         unfinished = "checkpoint.pt" in held and "results.json" not in held
