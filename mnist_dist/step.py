@@ -90,15 +90,21 @@ class TrainingDiverged(RuntimeError):
     """The loss, the test loss or the weights became nan or inf; the message names the step."""
 
 
-def check_finite(losses: torch.Tensor, step: int, rank: int, advice: str) -> torch.Tensor:
-    """``losses`` of the steps up to ``step``, or TrainingDiverged naming the first non-finite one and
-    ending in ``advice`` (what to do: the worker names the checkpoint known to be good)."""
+ADVICE = "lower optim.lr or check the data"  # what every TrainingDiverged ends with
+
+
+def check_finite(window: list[torch.Tensor], step: int, rank: int) -> torch.Tensor | None:
+    """The losses of ``window``, the steps up to ``step``, stacked (None if it is empty), or TrainingDiverged naming the
+    first that is not finite."""
+    if not window:
+        return None
+    losses = torch.stack(window)
     bad = (~torch.isfinite(losses)).nonzero()  # one device sync
     if len(bad):
         first = bad[0].item()
         raise TrainingDiverged(
             f"the training loss is {losses[first].item()} at step {step - len(losses) + 1 + first} (rank {rank}); "
-            f"{advice}"
+            f"{ADVICE}"
         )
     return losses
 

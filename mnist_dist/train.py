@@ -24,10 +24,10 @@ from mnist_dist.metrics import Meters, all_gather, state_bytes
 from mnist_dist.model import instantiate_model, make_scheduler
 from mnist_dist.modes import wrap_model
 from mnist_dist.operations import checkpoint, files, preemption
-from mnist_dist.operations.checkpoint import Losses, restore, save_checkpoint
+from mnist_dist.operations.checkpoint import restore, save_checkpoint
 from mnist_dist.operations.errors import FILE_ONLY, setup_logging
 from mnist_dist.operations.report import Progress, Scalars, finish, window_tags
-from mnist_dist.step import Precision, TrainingDiverged, evaluate_as_saved, train_step
+from mnist_dist.step import ADVICE, Precision, TrainingDiverged, check_finite, evaluate_as_saved, train_step
 from mnist_dist.topology import Topology
 
 log = logging.getLogger("mnist_dist")
@@ -68,7 +68,7 @@ class Run:
     learner: Learner
     meters: Meters  # this rank's clocks and counts
     step: int = 0  # optimizer steps taken, over all epochs
-    losses: Losses = field(default_factory=Losses)  # this log window's, and the checkpoint last checked
+    losses: list[torch.Tensor] = field(default_factory=list)  # this log window's, on the device: no sync per step
     score: Score = field(default_factory=Score)
 
 
@@ -166,7 +166,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
     batches = rank_batches(order, cfg.batch_size, run.topology.rank, run.topology.world_size)
     progress.set_epoch(epoch, cfg.epochs)
     if not done:  # after a mid-epoch checkpoint, its log window goes on
-        run.losses.window = []
+        run.losses = []
     evaluated = False
     meters.train_time.start()
     for position, indices in enumerate(islice(batches, done, None), start=done + 1):
@@ -177,7 +177,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
         )
         if learner.per_step:
             learner.scheduler.step()
-        run.losses.window.append(loss.detach())  # kept on the device: no sync per step
+        run.losses.append(loss.detach())
         meters.throughput.step(len(indices))
         if run.step % cfg.log_every == 0:
             log_window(run, progress)
@@ -200,7 +200,7 @@ def train_epoch(run: Run, epoch: int, done: int, progress: Progress, profiler: t
                 break  # the target is reached
             meters.train_time.start()
     meters.train_time.stop()
-    run.losses.check(run.step, run.topology.rank)  # the epoch's last steps, short of a full window
+    check_finite(run.losses, run.step, run.topology.rank)  # the epoch's last steps, short of a full window
     meters.throughput.pause()
     if not evaluated:
         evaluate(run)
@@ -217,8 +217,8 @@ def log_window(run: Run, progress: Progress) -> None:
     """Rank 0 writes every rank's numbers and the job's: one gather, a collective that all ranks call."""
     learner, meters = run.learner, run.meters
     meters.state_bytes = max(meters.state_bytes, state_bytes(learner.model, learner.optimizer))  # gradients held
-    loss = run.losses.check(run.step, run.topology.rank).mean().item()
-    run.losses.window = []
+    loss = check_finite(run.losses, run.step, run.topology.rank).mean().item()
+    run.losses = []
     images, seconds = meters.throughput.lap() or (0, 0.0)
     gathered = all_gather([loss, images, seconds])
     if run.topology.rank == 0:
@@ -239,9 +239,7 @@ def evaluate(run: Run) -> bool:
         )
     meters.eval_time.stop()
     if not math.isfinite(score.loss):  # the last step's update diverged: its training loss was still finite
-        raise TrainingDiverged(
-            f"the test loss is {score.loss} after step {run.step} (rank {topology.rank}); {run.losses.advice()}"
-        )
+        raise TrainingDiverged(f"the test loss is {score.loss} after step {run.step} (rank {topology.rank}); {ADVICE}")
     learner.model.train()  # evaluate() left it in eval mode; a mid-epoch evaluation goes on training
     target, train_s = run.cfg.target_accuracy, meters.train_time.seconds
     if target and score.accuracy >= target and score.steps_to_target is None:

@@ -101,7 +101,7 @@ def test_a_save_that_fails_half_way_leaves_the_last_good_checkpoints(tmp_path, m
 def test_a_nan_loss_between_log_windows_is_never_checkpointed(tiny_root, tmp_path):
     # log_every=5 checks the loss at step 5 only: steps 3 and 4 (NaN weights) must not rotate the good ones away
     cfg = compose_config(tiny_root, *SHORT, "log_every=5", "checkpoint_every_steps=1", *FAILING, "+model.nan=true")
-    with pytest.raises(TrainingDiverged, match=rf"loss is nan at step 3 .* from {tmp_path}/checkpoint.pt \(step 2,"):
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3 \(rank 0\); lower optim.lr"):
         launch(cfg, tmp_path)
     assert saved_step(tmp_path / "checkpoint.pt") == 2 and saved_step(tmp_path / "checkpoint.1.pt") == 1
 
@@ -110,14 +110,14 @@ def test_weights_poisoned_by_a_step_with_a_finite_loss_are_never_checkpointed(ti
     # nan_grad: step 4's loss is finite, its update makes every weight NaN; step 4 is a checkpoint step.
     settings = ("log_every=10", "checkpoint_every_steps=2", *FAILING, "+model.fail_step=4", "+model.nan_grad=true")
     cfg = compose_config(tiny_root, *SHORT, *settings)
-    with pytest.raises(TrainingDiverged, match=rf"not finite after step 4 .* from {tmp_path}/checkpoint.pt \(step 2,"):
+    with pytest.raises(TrainingDiverged, match=r"weights are not finite after step 4 \(rank 0"):
         launch(cfg, tmp_path)
     assert saved_step(tmp_path / "checkpoint.pt") == 2 and not (tmp_path / "checkpoint.1.pt").exists()
 
 
 def test_divergence_at_the_last_step_fails_the_run_and_writes_no_results(tiny_root, tmp_path):
     cfg = compose_config(tiny_root, *SHORT, *FAILING, "+model.fail_step=20", "+model.nan_grad=true")
-    with pytest.raises(TrainingDiverged, match=r"test loss is nan after step 20 .*\(no checkpoint was written"):
+    with pytest.raises(TrainingDiverged, match=r"test loss is nan after step 20 "):
         launch(cfg, tmp_path)
     assert {p.name for p in tmp_path.iterdir()} & {"results.json", "model.pt", "checkpoint.pt"} == set()
 

@@ -9,7 +9,7 @@ import logging
 import pickle
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from mnist_dist.modes import MODES, world_size
 from mnist_dist.operations import files
 from mnist_dist.operations.errors import ConfigError
 from mnist_dist.parallel import state
-from mnist_dist.step import TrainingDiverged, check_finite, first_non_finite
+from mnist_dist.step import ADVICE, TrainingDiverged, check_finite, first_non_finite
 
 if TYPE_CHECKING:
     from mnist_dist.train import Run
@@ -144,29 +144,11 @@ def check_resumable(state: dict, cfg: Config) -> None:
         log.info("resuming with mode=%s on %d ranks a checkpoint written with mode=%s on %d", *now, *then)
 
 
-@dataclass
-class Losses:
-    """This log window's losses, on the device (no sync per step), and the last good checkpoint, named on divergence."""
-
-    window: list[torch.Tensor] = field(default_factory=list)
-    good_checkpoint: tuple[Path, int] | None = None  # (path, step): checked when written, or resumed from
-
-    def check(self, step: int, rank: int) -> torch.Tensor | None:
-        """The window's losses, up to ``step``; TrainingDiverged names the first that is not finite."""
-        return check_finite(torch.stack(self.window), step, rank, self.advice()) if self.window else None
-
-    def advice(self) -> str:
-        if self.good_checkpoint is None:
-            return "lower optim.lr or check the data (no checkpoint was written before it)"
-        path, step = self.good_checkpoint
-        return f"lower optim.lr, check the data, or resume from {path} (step {step}, checked)"
-
-
 def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
     """Rank 0 saves what a resume needs after ``epoch`` epochs and ``epoch_step`` steps of the next (a collective);
     raises TrainingDiverged on a non-finite loss since the last check, or on non-finite weights (whatever the loss)."""
     learner, meters, path = run.learner, run.meters, run.run_dir / NEWEST
-    run.losses.check(run.step, run.topology.rank)
+    check_finite(run.losses, run.step, run.topology.rank)
     # Collectives: fsdp gathers its shards; rank 0 keeps the full state.
     rng = rng_states_of_all_ranks()
     mine = {
@@ -174,16 +156,14 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
         "eval_s": meters.eval_time.read(),
         "images": meters.throughput.total_images,
         "images_s": meters.throughput.total_seconds,
-        "window_losses": [loss.item() for loss in run.losses.window] if epoch_step else [],  # a split log window
+        "window_losses": [loss.item() for loss in run.losses] if epoch_step else [],  # a split log window
     }
     meters_by_rank = gather_objects(mine)
     model_state = state.model_state(learner.model)
     optimizer_state = state.optimizer_state(learner.model, learner.optimizer)
     if run.topology.rank == 0:
         if poisoned := first_non_finite(model_state):
-            raise TrainingDiverged(
-                f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {run.losses.advice()}"
-            )
+            raise TrainingDiverged(f"the weights are not finite after step {run.step} (rank 0, {poisoned}); {ADVICE}")
         saved = {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -198,7 +178,6 @@ def save_checkpoint(run: Run, epoch: int, epoch_step: int) -> None:
             "config": run.config_yaml,
         }
         save(saved, path, keep_previous=True)
-    run.losses.good_checkpoint = (path, run.step)
 
 
 def restore(run: Run, resumed: dict) -> None:
@@ -214,8 +193,7 @@ def restore(run: Run, resumed: dict) -> None:
     if len(by_rank) == run.topology.world_size:
         mine = by_rank[run.topology.rank]
         meters.throughput.total_images, meters.throughput.total_seconds = mine["images"], mine["images_s"]
-        run.losses.window = [torch.tensor(loss, device=run.train_set[0].device) for loss in mine["window_losses"]]
-    run.losses.good_checkpoint = (Path(run.cfg.resume), run.step)
+        run.losses = [torch.tensor(loss, device=run.train_set[0].device) for loss in mine["window_losses"]]
     log.info("resuming %s at epoch %d, step %d", run.cfg.resume, resumed["epoch"] + 1, run.step)
 
 
