@@ -163,10 +163,9 @@ def test_a_spawned_job_listens_on_loopback_only(job):
 
 
 def test_two_nodes_without_a_shared_disk_each_create_rank_0s_run_directory(job):
-    # Under torchrun each node creates rank 0's directory: under its own working directory where rank 0's
-    # lies under rank 0's (Hydra's default outputs/...), else at the same path.
+    # Under torchrun each node creates rank 0's directory at its path, not the one its own Hydra would name.
     nodes, run_dirs = job[0], job[1]["run_dirs"]
-    assert run_dirs == [[nodes / f"node{n}/outputs/day/time_0", nodes / "elsewhere_0"] for n in range(2)]
+    assert run_dirs == [[nodes / "node0/outputs/day/time_0", nodes / "elsewhere_0"]] * 2
     assert all(path.is_dir() for pair in run_dirs for path in pair)
 
 

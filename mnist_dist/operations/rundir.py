@@ -71,11 +71,8 @@ def refuse_another_run(run_dir: Path) -> None:
 
 
 def on_this_node(run_dir: Path) -> Path:
-    """Under torchrun (a collective): rank 0's run directory, created on this node too, so that each node needs only
-    its own disk: under this node's working directory where rank 0's lies under rank 0's, else at the same path."""
-    shared = [str(run_dir), os.getcwd()]
+    """Under torchrun (a collective): rank 0's run directory, at its absolute path, created on this node too."""
+    shared = [str(run_dir.resolve())]
     dist.broadcast_object_list(shared, src=0)
-    path, rank0_cwd = Path(shared[0]), Path(shared[1])
-    mine = Path.cwd() / path.relative_to(rank0_cwd) if path.is_relative_to(rank0_cwd) else path
-    mine.mkdir(parents=True, exist_ok=True)
-    return mine
+    Path(shared[0]).mkdir(parents=True, exist_ok=True)
+    return Path(shared[0])
