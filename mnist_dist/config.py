@@ -81,7 +81,6 @@ class Config:
     resume: str = ""
     checkpoint_every_steps: int = 0  # also checkpoint mid-epoch every this many steps; 0: at epoch ends only
     profile: bool = False  # torch.profiler over 5 steps after warm-up: trace_rank<r>.json in the run directory
-    resume_allow_changes: bool = False  # resume even if the model, global batch or data changed (world size: always)
 
 
 _RANGES = {  # inclusive

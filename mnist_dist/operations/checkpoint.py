@@ -116,22 +116,14 @@ def resumed_config(state: dict, cfg: Config, overrides: Sequence[str] = ()) -> C
         raise ConfigError(REFUSED) from None
 
 
-def _trained_with(model: dict, batch_size: int, data: str) -> dict:
-    return {**{f"model.{key}": value for key, value in model.items()}, "batch_size": batch_size, "data.name": data}
-
-
 def check_resumable(state: dict, cfg: Config) -> None:
-    """Refuses, before anything is written, a resume with another model, global batch or data (unless told to). A
-    checkpoint that does not fit the model, optimizer or amp fails as the worker loads it, before it writes anything."""
+    """Refuses, before anything is written, a resume of a finished run or with another global batch, which would
+    misplace it in its epoch. A checkpoint that does not fit the model, optimizer or amp fails as it is loaded."""
     saved = saved_config(state)
-    before = _trained_with(saved["model"], saved["batch_size"], saved["data"]["name"])
-    after = _trained_with(cfg.model, cfg.batch_size, cfg.data.name)
-    changed = [key for key in {**before, **after} if before.get(key) != after.get(key)]
-    if changed and not cfg.resume_allow_changes:
-        changes = "; ".join(f"{key} {before.get(key)!r} -> {after.get(key)!r}" for key in changed)
+    if saved["batch_size"] != cfg.batch_size:
         raise ConfigError(
-            f"resume: this command changes what the checkpoint was trained with ({changes}); leave that out to go on "
-            "with the run's own, or add resume_allow_changes=true if it is intended"
+            f"resume: batch_size={cfg.batch_size}, but the checkpoint's steps are of {saved['batch_size']} images, "
+            "which place it in its epoch; leave batch_size out to go on with the run's own"
         )
     if state["epoch"] >= cfg.epochs:
         raise ConfigError(
