@@ -25,11 +25,7 @@ class WorkerFailed(RuntimeError):
 
 
 def spawn(
-    fn: Callable[..., object],
-    world_size: int,
-    *args,
-    log_dir: str | None = None,
-    start_method: str = "spawn",
+    fn: Callable[..., object], world_size: int, *args, log_dir: str | None = None, start_method: str = "spawn"
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits. Each
     has torchrun's variables and MNIST_DIST_INIT_METHOD, the ``init_method`` where the ranks meet: a store file in
