@@ -1,6 +1,5 @@
 """What rank 0 shows and records: its progress (a bar in a terminal, also one that reports no size:
-test_late_interrupts; a log line in a pipe, a ddp run's from the command line: test_launch), one short line of
-results, and the machine every performance number names."""
+test_late_interrupts), one short line of results, and the machine every performance number names."""
 
 import json
 import os

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import threading
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -51,8 +49,8 @@ LAYOUT = {
 
 
 class Progress:
-    """When ``enabled``: a tqdm bar in a terminal, else a log line at most every 30 s (a run in CI is visibly
-    alive). ``step()`` after every optimizer step, ``numbers()`` with each log window's loss and images/s."""
+    """When ``enabled`` and in a terminal, a tqdm bar (without one, the epochs' log lines say where the run is).
+    ``step()`` after every optimizer step, ``numbers()`` with each log window's loss and images/s."""
 
     def __init__(self, total_steps: int, enabled: bool, log: logging.Logger, initial: int = 0) -> None:
         bar = enabled and sys.stderr.isatty()
@@ -62,23 +60,16 @@ class Progress:
         self.bar = tqdm(total=total_steps, initial=initial, ncols=columns, nrows=rows, leave=False, disable=not bar)
         self.redirect = logging_redirect_tqdm([log]) if bar else nullcontext()  # log records go above the bar
         self.redirect.__enter__()
-        self.log, self.done, self.epoch, self.loss, self.images_per_s = log, initial, "", None, 0.0
-        self.next_line = 0.0 if enabled and not bar else math.inf
+        self.images_per_s = 0.0
 
     def set_epoch(self, epoch: int, epochs: int) -> None:
-        self.epoch = f"epoch {epoch}/{epochs}"
-        self.bar.set_description(self.epoch, refresh=False)
+        self.bar.set_description(f"epoch {epoch}/{epochs}", refresh=False)
 
     def step(self) -> None:
         self.bar.update()
-        self.done += 1
-        if self.loss is not None and time.monotonic() >= self.next_line:
-            self.next_line = time.monotonic() + 30
-            line = "step %d/%d (%s): loss %.4f, %.0f images/s"
-            self.log.info(line, self.done, self.bar.total, self.epoch, self.loss, self.images_per_s)
 
     def numbers(self, loss: float, images_per_s: float | None) -> None:
-        self.loss, self.images_per_s = loss, images_per_s or self.images_per_s
+        self.images_per_s = images_per_s or self.images_per_s
         self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{self.images_per_s:.0f}", refresh=False)
 
     def close(self) -> None:
