@@ -30,8 +30,7 @@ Device = StrEnum("Device", ["auto", "cuda", "cpu"])  # auto: cuda when available
 @dataclass
 class DataConfig:
     name: str = MISSING  # mnist | fashion_mnist (conf/data/)
-    # holds <root>/MNIST/raw, <root>/FashionMNIST/raw (torchvision layout); outside the run directory so
-    # that every run, and every clone, shares one copy
+    # holds <root>/MNIST/raw, <root>/FashionMNIST/raw (torchvision's layout): one copy for every run and clone
     root: str = "${oc.env:MNIST_DIST_DATA,'~/.cache/mnist_dist'}"
     mirrors: list[str] = field(default_factory=list)  # http(s) URLs or directories, tried in order
     mean: float = MISSING  # per-pixel normalisation of the training set

@@ -39,10 +39,9 @@ def raw_dir(name: str, root: str | os.PathLike) -> Path:
 
 
 def prepare(name: str, root: str | os.PathLike, mirrors: Sequence[str]) -> Path:
-    """Makes ``raw_dir(name, root)`` hold the four decompressed IDX files and returns it. Files already there are used
-    as they are (torchvision's rule); else the .gz files there, then ``mirrors``, are tried in order: a URL through
-    torchvision (the upstream archives' md5s), a folder only if all four files are ``name``'s by md5. Launches that
-    share ``root`` fetch once (a lock). DataError when none works, with nothing written."""
+    """``raw_dir(name, root)`` holding the four decompressed IDX files: those there as they are (torchvision's rule),
+    else from the .gz files there, then ``mirrors`` in order: a URL through torchvision (its md5s), a folder if all four
+    are ``name``'s by md5. Launches sharing ``root`` fetch once (a lock). DataError if none works, nothing written."""
     raw = raw_dir(name, root)
     if _complete(raw):
         return raw

@@ -51,8 +51,7 @@ def launch(cfg: Config, run_dir: Path, overrides: Sequence[str] = ()) -> dict | 
             return train(cfg, run_dir, data_dir, topology)
         if not MODES[cfg.mode.name].per_device:
             return _worker(cfg, run_dir, data_dir, topology)
-        # CPU workers fork from one server that has imported torch: seconds of start-up each, saved. CUDA
-        # workers start fresh, since a forked process cannot use a CUDA driver its parent loaded.
+        # CPU workers fork from a server that imported torch (seconds each); a fork cannot use its parent's CUDA.
         start = "forkserver" if topology.device_type == "cpu" else "spawn"
         spawn(_spawned_worker, topology.world_size, cfg, run_dir, data_dir, log_dir=str(run_dir), start_method=start)
         return None

@@ -1,7 +1,6 @@
-"""Stopping at a step boundary with a checkpoint, on Ctrl-C, SIGTERM (a scheduler's, or the launcher passing a Ctrl-C
-on to its ranks) and SIGUSR1 (SLURM's warning). Before the first step the run stops at once: nothing new to save.
-After it each rank votes after every step on whether any rank got one, so that every rank stops after the same
-step; a vote is read a step later, so that no step waits for it. A second Ctrl-C stops at once."""
+"""Stopping at a step boundary with a checkpoint on Ctrl-C, SIGTERM (a scheduler's, or a launcher passing on a Ctrl-C)
+and SIGUSR1 (SLURM's warning); before the first step at once, with nothing new to save. After it every rank votes after
+each step, read a step later so that no step waits, and all stop after the same step. A second Ctrl-C stops at once."""
 
 from __future__ import annotations
 

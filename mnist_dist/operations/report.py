@@ -49,8 +49,7 @@ LAYOUT = {
 
 
 class Progress:
-    """When ``enabled`` and in a terminal, a tqdm bar (without one, the epochs' log lines say where the run is).
-    ``step()`` after every optimizer step, ``numbers()`` with each log window's loss and images/s."""
+    """A tqdm bar when ``enabled`` in a terminal: ``step()`` after each step, ``numbers()`` with each log window's."""
 
     def __init__(self, total_steps: int, enabled: bool, log: logging.Logger, initial: int = 0) -> None:
         bar = enabled and sys.stderr.isatty()
@@ -91,9 +90,8 @@ def window_tags(gathered: list[list[float]]) -> dict[str, float]:
 
 
 class Scalars:
-    """The run's TensorBoard directory ``<run>/tb``, written by rank 0 alone (the ranks gather their numbers to it) and
-    opened by its first write (a run that fails before it logs leaves none). What an earlier attempt logged after
-    ``resumed_step`` (fresh: anything) is purged, so that a resume continues one event stream."""
+    """The run's TensorBoard directory ``<run>/tb``, written by rank 0 alone and opened by its first write (a run that
+    fails before it logs leaves none); what an earlier attempt logged after ``resumed_step`` is purged: one stream."""
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None = None) -> None:
         self.directory, self.rank = run_dir / "tb", rank

@@ -27,10 +27,9 @@ class WorkerFailed(RuntimeError):
 def spawn(
     fn: Callable[..., object], world_size: int, *args, log_dir: str | None = None, start_method: str = "spawn"
 ) -> None:
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes (torch's ``start_processes``) and waits. Each
-    has torchrun's variables and MNIST_DIST_INIT_METHOD, the ``init_method`` where the ranks meet: a store file in
-    ``log_dir`` (None: the temp folder). ``fn`` and ``args`` must be picklable. WorkerFailed names a failed rank, its
-    reason and its log ``<log_dir>/rank_<r>.log``. ``start_method="forkserver"``: CPU only."""
+    """Runs ``fn(rank, world_size, *args)`` (picklable) in ``world_size`` processes (torch's ``start_processes``) and
+    waits. Each has torchrun's variables and MNIST_DIST_INIT_METHOD, a store file in ``log_dir`` (None: the temp
+    folder). WorkerFailed names a failed rank, why and its log ``<log_dir>/rank_<r>.log``. forkserver: CPU only."""
     if start_method == "forkserver":  # only the first call's list counts: it starts the server
         mp.get_context("forkserver").set_forkserver_preload(["torch", __name__, fn.__module__])
     # A folder of its own: a resume goes on in its run's directory, where a killed job may have left its store.
