@@ -7,6 +7,7 @@ Most of the file's DDP tests need CUDA; those on CPU that need what ours does no
 """
 
 import os
+import tempfile
 
 import pytest
 
@@ -37,9 +38,10 @@ Base = distributed_test.DistributedTest._DistTestBase
 
 
 @pytest.fixture(autouse=True)
-def restore_torch_flags():
-    """conftest.py's, off here: torch's test case freezes the cuDNN flags that fixture restores."""
-    yield
+def restore_torch_flags(tmp_path, monkeypatch):
+    """conftest.py's, off here: torch's test case freezes the cuDNN flags that fixture restores. Its store files,
+    which it leaves, go to ``tmp_path``."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def _suite(name: str, swap: bool) -> type:
