@@ -81,7 +81,7 @@ def train(cfg: Config, run_dir: Path, raw_dir: Path, topology: Topology) -> dict
     try:
         run = build(cfg, topology, run_dir, raw_dir, scalars, resumed)
         steps = steps_per_epoch(len(run.train_set[0]), cfg.batch_size)
-        progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, log, initial=run.step)
+        progress = Progress(steps * cfg.epochs, topology.rank == 0 and cfg.progress, initial=run.step)
         profiler = start_profiler(run_dir, topology, cfg.warmup_steps) if cfg.profile else None
         first_epoch, done = (resumed["epoch"] + 1, resumed["epoch_step"]) if resumed else (1, 0)
         for epoch in range(first_epoch, cfg.epochs + 1):

@@ -51,7 +51,7 @@ LAYOUT = {
 class Progress:
     """A tqdm bar when ``enabled`` in a terminal: ``step()`` after each step, ``numbers()`` with each log window's."""
 
-    def __init__(self, total_steps: int, enabled: bool, log: logging.Logger, initial: int = 0) -> None:
+    def __init__(self, total_steps: int, enabled: bool, initial: int = 0) -> None:
         bar = enabled and sys.stderr.isatty()
         # shutil's size, not the terminal's own: a pseudo-terminal never given one (``script``, CI runners,
         # ``docker exec -t``) reports 0x0, and tqdm then prints nothing.
