@@ -38,9 +38,14 @@ Base = distributed_test.DistributedTest._DistTestBase
 
 
 @pytest.fixture(autouse=True)
-def restore_torch_flags(tmp_path, monkeypatch):
-    """conftest.py's, off here: torch's test case freezes the cuDNN flags that fixture restores. Its store files,
-    which it leaves, go to ``tmp_path``."""
+def restore_torch_flags():
+    """conftest.py's, off here: torch's test case freezes the cuDNN flags that fixture restores."""
+    yield
+
+
+@pytest.fixture(autouse=True)
+def store_files_in_tmp_path(tmp_path, monkeypatch):
+    """torch's test case leaves its FileStore files in the temp folder: here, pytest's ``tmp_path``."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
