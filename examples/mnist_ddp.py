@@ -30,7 +30,7 @@ It imports only the standard library and torch. ``--ddp torch`` (the default) wr
 ``torch.nn.parallel.DistributedDataParallel``; ``--ddp ours`` with the one class of ``ddp.py``, our
 hand-written DDP, which must then sit beside this file (copy ``examples/ddp.py`` too): the same numbers
 come out. Every line that a one-process version would not have, or would write otherwise, ends in
-``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" mnist_ddp.py`` lists them, 97 lines
+``# ADDED FOR DISTRIBUTED``: ``grep -n "ADDED FOR DISTRIBUTED" mnist_ddp.py`` lists them, 98 lines
 (this one included).
 """
 
@@ -48,6 +48,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist  # ADDED FOR DISTRIBUTED
+import torch.distributed.nn.functional  # noqa: F401  # ADDED FOR DISTRIBUTED: before init, or gloo can abort the exit
 import torch.multiprocessing as mp  # ADDED FOR DISTRIBUTED
 import torch.nn.functional as F
 from torch import nn

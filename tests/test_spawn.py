@@ -35,11 +35,14 @@ def reports(out: Path) -> list[dict]:
     return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
 # A process like a torchrun worker: init, an optimizer (its first imports torch._dynamo), destroy; then
 # the threads left. gloo's run a thread pool and a socket loop of their own.
 _TEARDOWN = """
 import os, sys, torch, torch.distributed as dist
-from mnist_dist import parallel  # imports torch.distributed.nn.functional before the group exists
+sys.path.insert(0, sys.argv[2])
+FIRST  # imports torch.distributed.nn.functional before the group exists
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])
 dist.destroy_process_group()
@@ -48,12 +51,16 @@ print(sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
-def test_destroy_process_group_leaves_no_gloo_thread_for_interpreter_shutdown(tmp_path):
+@pytest.mark.parametrize("first", ["from mnist_dist import parallel", "import mnist_ddp"], ids=["app", "example"])
+def test_destroy_process_group_leaves_no_gloo_thread_for_interpreter_shutdown(tmp_path, first):
     # A gloo group alive at exit aborted a torchrun worker of examples/mnist_ddp.py in CI ("terminate
     # called without an active exception"); a 2-rank script of async all-reduces did so in 17 of 80
     # torchrun runs on a loaded machine, and in none of 40 with torch.distributed.nn imported first.
     result = subprocess.run(
-        [sys.executable, "-c", _TEARDOWN, str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _TEARDOWN.replace("FIRST", first), str(tmp_path / "store"), str(EXAMPLES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     threads = ast.literal_eval(result.stdout)
