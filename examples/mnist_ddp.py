@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import math
 import os
 import signal  # ADDED FOR DISTRIBUTED: Ctrl-C reaches every rank
 import socket  # ADDED FOR DISTRIBUTED: a free port for the launcher
@@ -301,6 +302,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save", type=Path, default=Path("mnist_cnn.pt"), help="the trained weights")
     parser.add_argument("--log-losses", type=Path, help="write each step's training loss here, one a line")
     args = parser.parse_args()
+    for option in ("epochs", "batch_size", "lr", "nproc"):
+        if (value := getattr(args, option)) is not None and not 0 < value < math.inf:  # nan fails it too
+            parser.error(f"--{option.replace('_', '-')} {value} must be a positive number")
     args.data = args.data or DEBIAN
     try:
         [load_data(args.data, args.dataset, split) for split in ("train", "test")]  # one line, not one a rank

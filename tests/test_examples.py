@@ -230,6 +230,18 @@ def test_mnist_ddp_refuses_a_checkpoint_of_other_settings_and_stops_at_a_finishe
         assert checkpoint.read_bytes() == saved and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
+@pytest.mark.parametrize("option, value", [("--epochs", "0"), ("--batch-size", "0"), ("--lr", "-1"), ("--lr", "nan"),
+                                           ("--nproc", "0"), ("--nproc", "-1")])  # fmt: skip
+def test_mnist_ddp_refuses_a_number_out_of_range_in_one_line(option, value, tiny_root, tmp_path, monkeypatch, capsys):
+    # Before: a 27-line traceback in each rank (0, nan, a negative lr), or an exit 0 having trained nothing.
+    monkeypatch.setattr(sys, "argv", example_args(MNIST_DDP, tiny_root, tmp_path, option, value))
+    with pytest.raises(SystemExit) as exit_:
+        load_example().parse_args()
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and option in line and "must be a positive number" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mnist_ddp_with_more_ranks_than_gpus_says_so_in_one_line(tiny_root, monkeypatch, capsys):
     example = load_example()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU, faked
