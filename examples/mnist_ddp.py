@@ -177,8 +177,12 @@ def check_checkpoint(args: argparse.Namespace) -> None:
     """Refuse a checkpoint of other settings; stop, saying so, if it holds the whole run."""
     if not args.checkpoint.exists():
         return
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    if "settings" not in state:
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as error:  # another file, cut short, or not safe to load: torch raises one of several
+        why = f"{args.checkpoint} is not a checkpoint ({type(error).__name__})"
+        leave(f"error: {why}; another --checkpoint starts afresh", 1)
+    if not isinstance(state, dict) or "settings" not in state:
         leave(f"error: {args.checkpoint} records no settings; another --checkpoint starts afresh", 1)
     now = settings(args)
     changed = [f"--{k.replace('_', '-')} {v} (now {now[k]})" for k, v in state["settings"].items() if now[k] != v]
@@ -305,9 +309,13 @@ def parse_args() -> argparse.Namespace:
     for option in ("epochs", "batch_size", "lr", "nproc"):
         if (value := getattr(args, option)) is not None and not 0 < value < math.inf:  # nan fails it too
             parser.error(f"--{option.replace('_', '-')} {value} must be a positive number")
+    for option in ("checkpoint", "save", "log_losses"):  # not after an epoch of training
+        if (path := getattr(args, option)) is not None and not path.absolute().parent.is_dir():
+            parser.error(f"--{option.replace('_', '-')} {path}: the folder {path.parent} does not exist")
     args.data = args.data or DEBIAN
     try:
-        [load_data(args.data, args.dataset, split) for split in ("train", "test")]  # one line, not one a rank
+        images, _ = load_data(args.data, args.dataset, "train")  # a missing file: one line, not one a rank
+        load_data(args.data, args.dataset, "test")
     except (OSError, ValueError) as error:
         parser.error(f"--data {args.data}: {error}")
     if args.device == "auto":
@@ -320,6 +328,8 @@ def parse_args() -> argparse.Namespace:
     if args.device == "cuda" and local_ranks > gpus:  # ADDED FOR DISTRIBUTED: one GPU a rank, or a traceback later
         hint = f"start at most {gpus} (--nproc, torchrun --nproc_per_node) or use --device cpu"  # ADDED FOR DISTRIBUTED
         sys.exit(f"error: {local_ranks} ranks on this machine, {gpus} GPU(s); {hint}")  # ADDED FOR DISTRIBUTED
+    if args.batch_size > len(images):  # an epoch of no step
+        parser.error(f"--batch-size {args.batch_size} is more than the {len(images)} training images")
     if args.batch_size % args.nproc:  # ADDED FOR DISTRIBUTED
         parser.error(f"--batch-size {args.batch_size} is not divisible by {args.nproc} ranks")  # ADDED FOR DISTRIBUTED
     return args

@@ -217,9 +217,11 @@ def test_mnist_ddp_refuses_a_checkpoint_of_other_settings_and_stops_at_a_finishe
         ({"settings": settings, "epoch": 1}, ["--nproc", "1"], 1, "--nproc"),  # the world
         ({"epoch": 1}, [], 1, "records no settings"),  # another script's
         ({"settings": settings, "epoch": EPOCHS}, [], 0, "finished"),
+        (b"hi\n", [], 1, "is not a checkpoint"),  # a file from elsewhere: before, a traceback
+        (b"PK\x03\x04", [], 1, "is not a checkpoint"),  # a zip torch.save cut short
     ]
     for state, extra, code, key in cases:
-        torch.save(state, checkpoint)
+        checkpoint.write_bytes(state) if isinstance(state, bytes) else torch.save(state, checkpoint)
         saved = checkpoint.read_bytes()
         monkeypatch.setattr(sys, "argv", args + extra)
         with pytest.raises(SystemExit) as exit_:
@@ -230,15 +232,23 @@ def test_mnist_ddp_refuses_a_checkpoint_of_other_settings_and_stops_at_a_finishe
         assert checkpoint.read_bytes() == saved and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
-@pytest.mark.parametrize("option, value", [("--epochs", "0"), ("--batch-size", "0"), ("--lr", "-1"), ("--lr", "nan"),
-                                           ("--nproc", "0"), ("--nproc", "-1")])  # fmt: skip
-def test_mnist_ddp_refuses_a_number_out_of_range_in_one_line(option, value, tiny_root, tmp_path, monkeypatch, capsys):
-    # Before: a 27-line traceback in each rank (0, nan, a negative lr), or an exit 0 having trained nothing.
+POSITIVE = "must be a positive number"
+
+
+@pytest.mark.parametrize("option, value, phrase", [
+    ("--epochs", "0", POSITIVE), ("--batch-size", "0", POSITIVE), ("--lr", "-1", POSITIVE), ("--lr", "nan", POSITIVE),
+    ("--nproc", "0", POSITIVE), ("--nproc", "-1", POSITIVE), ("--batch-size", "100000", "training images"),
+    ("--checkpoint", "missing/c.pt", "does not exist"), ("--save", "missing/m.pt", "does not exist"),
+    ("--log-losses", "missing/l.txt", "does not exist"),
+])  # fmt: skip
+def test_mnist_ddp_refuses_bad_arguments_in_one_line(option, value, phrase, tiny_root, tmp_path, monkeypatch, capsys):
+    # Before: a 27-line traceback in each rank (0, nan, a negative lr), after an epoch (a missing folder), or an
+    # exit 0 having trained nothing (--nproc -1, a batch larger than the data).
     monkeypatch.setattr(sys, "argv", example_args(MNIST_DDP, tiny_root, tmp_path, option, value))
     with pytest.raises(SystemExit) as exit_:
         load_example().parse_args()
     line = capsys.readouterr().err.splitlines()[-1]
-    assert exit_.value.code == 2 and option in line and "must be a positive number" in line, line
+    assert exit_.value.code == 2 and option in line and phrase in line, line
     assert list(tmp_path.iterdir()) == []
 
 
