@@ -309,7 +309,7 @@ def parse_args() -> argparse.Namespace:
     for option in ("epochs", "batch_size", "lr", "nproc"):
         if (value := getattr(args, option)) is not None and not 0 < value < math.inf:  # nan fails it too
             parser.error(f"--{option.replace('_', '-')} {value} must be a positive number")
-    for option in ("checkpoint", "save", "log_losses"):  # not after an epoch of training
+    for option in ("checkpoint", "save", "log_losses"):  # now, not when the first epoch ends
         if (path := getattr(args, option)) is not None and not path.absolute().parent.is_dir():
             parser.error(f"--{option.replace('_', '-')} {path}: the folder {path.parent} does not exist")
     args.data = args.data or DEBIAN
@@ -328,7 +328,7 @@ def parse_args() -> argparse.Namespace:
     if args.device == "cuda" and local_ranks > gpus:  # ADDED FOR DISTRIBUTED: one GPU a rank, or a traceback later
         hint = f"start at most {gpus} (--nproc, torchrun --nproc_per_node) or use --device cpu"  # ADDED FOR DISTRIBUTED
         sys.exit(f"error: {local_ranks} ranks on this machine, {gpus} GPU(s); {hint}")  # ADDED FOR DISTRIBUTED
-    if args.batch_size > len(images):  # an epoch of no step
+    if args.batch_size > len(images):  # else epochs without a single step
         parser.error(f"--batch-size {args.batch_size} is more than the {len(images)} training images")
     if args.batch_size % args.nproc:  # ADDED FOR DISTRIBUTED
         parser.error(f"--batch-size {args.batch_size} is not divisible by {args.nproc} ranks")  # ADDED FOR DISTRIBUTED

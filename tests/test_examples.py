@@ -217,7 +217,7 @@ def test_mnist_ddp_refuses_a_checkpoint_of_other_settings_and_stops_at_a_finishe
         ({"settings": settings, "epoch": 1}, ["--nproc", "1"], 1, "--nproc"),  # the world
         ({"epoch": 1}, [], 1, "records no settings"),  # another script's
         ({"settings": settings, "epoch": EPOCHS}, [], 0, "finished"),
-        (b"hi\n", [], 1, "is not a checkpoint"),  # a file from elsewhere: before, a traceback
+        (b"hi\n", [], 1, "is not a checkpoint"),  # a file from elsewhere
         (b"PK\x03\x04", [], 1, "is not a checkpoint"),  # a zip torch.save cut short
     ]
     for state, extra, code, key in cases:
@@ -242,8 +242,7 @@ POSITIVE = "must be a positive number"
     ("--log-losses", "missing/l.txt", "does not exist"),
 ])  # fmt: skip
 def test_mnist_ddp_refuses_bad_arguments_in_one_line(option, value, phrase, tiny_root, tmp_path, monkeypatch, capsys):
-    # Before: a 27-line traceback in each rank (0, nan, a negative lr), after an epoch (a missing folder), or an
-    # exit 0 having trained nothing (--nproc -1, a batch larger than the data).
+    # Refused as the arguments are read: not by a traceback in each rank, after an epoch, or by an exit 0 with no step.
     monkeypatch.setattr(sys, "argv", example_args(MNIST_DDP, tiny_root, tmp_path, option, value))
     with pytest.raises(SystemExit) as exit_:
         load_example().parse_args()
